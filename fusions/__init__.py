@@ -1,0 +1,1 @@
+"""Triton kernels, one file per fusion: kernel, host wrapper, pure-torch reference. Knows nothing of models."""

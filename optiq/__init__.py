@@ -1,0 +1,3 @@
+"""optiq: make LLM decode fast by measurement."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from optiq.cli import main
+
+main()

@@ -1,0 +1,96 @@
+"""Name every decoder layer and module role in the profiler's trace (record_function) and in Nsight (NVTX).
+
+Roles are what an engineer fuses by: ``embed``, ``norm``, ``qkv_proj``, ``rope``, ``kv_write``, ``attention``,
+``o_proj``, ``mlp``, ``moe_router``, ``experts``, ``lm_head``, ``sampling``. A range is named ``optiq/layer/<i>`` or
+``optiq/role/<role>``; decode steps are ``optiq/step/<n>``. Annotation installs wrappers on the model's instances for
+the duration of a ``with annotated(...)`` block and removes them after, so an unannotated model pays nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+
+import torch
+from torch.profiler import record_function
+
+try:  # the nvtx package works on every build; Nsight Systems shows its ranges, torch traces do not
+    import nvtx as _nvtx
+except ImportError:  # optiq steps aside: record_function ranges still name everything in the torch trace
+    _nvtx = None
+
+NVTX_AVAILABLE = _nvtx is not None
+
+# Module attribute names -> role; matched against the last component of each submodule's qualified name.
+_ROLE_BY_NAME = {
+    "embed_tokens": "embed",
+    "input_layernorm": "norm", "post_attention_layernorm": "norm", "norm": "norm", "q_norm": "norm", "k_norm": "norm",
+    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "qkv_proj": "qkv_proj",
+    "self_attn": "attention", "o_proj": "o_proj",
+    "mlp": "mlp", "gate": "moe_router", "experts": "experts", "shared_expert": "mlp", "shared_expert_gate": "moe_router",
+    "lm_head": "lm_head",
+}
+
+
+@contextlib.contextmanager
+def range_(name: str):
+    """One named range in both the torch trace and (when nvtx is installed) Nsight Systems."""
+    with record_function(name):
+        if _nvtx is None:
+            yield
+        else:
+            with _nvtx.annotate(name, domain="optiq"):
+                yield
+
+
+def _wrap(func, name: str):
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        with range_(name):
+            return func(*args, **kwargs)
+
+    return wrapper
+
+
+def module_roles(model: torch.nn.Module) -> dict[str, str]:
+    """Qualified submodule name -> range name, for decoder layers and every module with a known role."""
+    names = {}
+    layers = model.get_decoder().layers
+    layer_ids = {id(layer): i for i, layer in enumerate(layers)}
+    for qualified, module in model.named_modules():
+        if id(module) in layer_ids:
+            names[qualified] = f"optiq/layer/{layer_ids[id(module)]}"
+        elif qualified.rsplit(".", 1)[-1] in _ROLE_BY_NAME and qualified:
+            names[qualified] = f"optiq/role/{_ROLE_BY_NAME[qualified.rsplit('.', 1)[-1]]}"
+    return names
+
+
+@contextlib.contextmanager
+def annotated(model: torch.nn.Module, engine=None):
+    """Within the block, the model's layers and roles (and RoPE, and the engine's cache writes and sampling) emit
+    named ranges."""
+    patched: list[tuple[object, str, object]] = []  # (owner, attribute, original or None if it was not set)
+
+    def patch(owner, attribute, name):
+        original = owner.__dict__.get(attribute)
+        patched.append((owner, attribute, original))
+        setattr(owner, attribute, _wrap(getattr(owner, attribute), name))
+
+    modules = dict(model.named_modules())
+    for qualified, name in module_roles(model).items():
+        patch(modules[qualified], "forward", name)
+    if engine is not None:
+        patch(engine.cache, "update", "optiq/role/kv_write")
+        patch(engine, "sample", "optiq/role/sampling")
+    for module_name in {type(layer.self_attn).__module__ for layer in model.get_decoder().layers}:
+        if hasattr(sys.modules[module_name], "apply_rotary_pos_emb"):
+            patch(sys.modules[module_name], "apply_rotary_pos_emb", "optiq/role/rope")
+    try:
+        yield
+    finally:
+        for owner, attribute, original in reversed(patched):
+            if original is None:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, original)

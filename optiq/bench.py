@@ -1,0 +1,126 @@
+"""Throughput against concurrency: one measured point per (variant, concurrency), written as soon as it exists.
+
+A point is the standard decode measurement: prefill once, warm up (this is where a graph is captured and where
+torch.compile compiles), then decode ``new_tokens`` steps ``repeats`` times from the same prompt and take the median.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+
+from optiq.engine import WARMUP_STEPS, DecodeEngine
+from optiq.roofline import floor_ms_per_step
+from optiq.timing import Timer
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_len: int = 512
+    new_tokens: int = 128
+    max_len: int = 1024
+    repeats: int = 3
+
+    def check(self) -> None:
+        if min(self.prompt_len, self.new_tokens, self.repeats) < 1:
+            raise ValueError("prompt length, new tokens and repeats must be positive")
+        if self.prompt_len + self.new_tokens + WARMUP_STEPS > self.max_len:
+            raise ValueError(f"--max-len {self.max_len} is too short for --prompt-len {self.prompt_len} + "
+                             f"--new-tokens {self.new_tokens} + {WARMUP_STEPS} warm-up steps")
+
+
+def compiled_forward(model: torch.nn.Module):
+    """The peer a user would pick instead: the model's forward under torch.compile (Inductor), one shape per batch."""
+    return torch.compile(model.forward, fullgraph=True, dynamic=False)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: str, bandwidth: float,
+                  forward=None, variant: str | None = None) -> dict:
+    """Measure decode throughput of ``model`` at concurrency ``batch``; returns one row of the sweep."""
+    device = next(model.parameters()).device
+    row = {"variant": variant or mode, "mode": mode, "concurrency": batch}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    engine = DecodeEngine(model, batch, workload.max_len, mode=mode, forward=forward)
+    try:
+        generator = torch.Generator().manual_seed(batch)
+        prompt = torch.randint(model.config.get_text_config(decoder=True).vocab_size, (batch, workload.prompt_len),
+                               generator=generator)
+        with Timer(device) as prefill:
+            engine.prefill(prompt)
+        first_tokens = engine.tokens.clone()
+        with Timer(device) as warmup:
+            for _ in range(WARMUP_STEPS):
+                engine.step()
+        times = []
+        for _ in range(workload.repeats):
+            engine.seek(workload.prompt_len)
+            engine.tokens.copy_(first_tokens)
+            with Timer(device) as decode:
+                for _ in range(workload.new_tokens):
+                    engine.step()
+            times.append(decode.seconds)
+    finally:
+        engine.release()
+        del engine
+    seconds = statistics.median(times)
+    ms_per_step = seconds / workload.new_tokens * 1e3
+    mean_length = workload.prompt_len + (workload.new_tokens + 1) / 2
+    floor_ms = floor_ms_per_step(model, batch, mean_length, bandwidth)
+    row.update(
+        status="ok",
+        tok_per_s=batch * workload.new_tokens / seconds,
+        ms_per_step=ms_per_step,
+        ms_per_step_repeats=[t / workload.new_tokens * 1e3 for t in times],
+        prefill_ms=prefill.seconds * 1e3,
+        warmup_s=warmup.seconds,
+        peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+        floor_ms_per_step=floor_ms,
+        floor_tok_per_s=batch / floor_ms * 1e3,
+        pct_of_floor=100 * floor_ms / ms_per_step,
+    )
+    return row
+
+
+def sweep(model: torch.nn.Module, concurrencies: list[int], workload: Workload, variants: list[tuple[str, str, object]],
+          bandwidth: float, on_row=None, on_start=None) -> list[dict]:
+    """Measure every (variant, concurrency); a concurrency that runs out of memory is recorded and the sweep goes on.
+
+    ``variants`` holds ``(name, mode, forward)`` triples; ``on_row(rows)`` runs after each point (to save results as
+    they come), ``on_start(variant, concurrency)`` before each (for progress).
+    """
+    rows: list[dict] = []
+    for name, mode, forward in variants:
+        for batch in concurrencies:
+            if on_start:
+                on_start(name, batch)
+            try:
+                row = measure_point(model, batch, workload, mode, bandwidth, forward=forward, variant=name)
+            except Exception as exc:  # noqa: BLE001 - only out-of-memory is recorded; anything else propagates
+                if not is_out_of_memory(exc):
+                    raise
+                row = {"variant": name, "mode": mode, "concurrency": batch, "status": "oom",
+                       "error": str(exc).splitlines()[0][:300]}
+            free_memory()
+            rows.append(row)
+            if on_row:
+                on_row(rows)
+    return rows
+
+
+def workload_dict(workload: Workload) -> dict:
+    return asdict(workload)

@@ -1,0 +1,1 @@
+"""One module per CLI command; ``optiq.cli`` gathers them into the ``optiq`` group."""

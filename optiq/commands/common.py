@@ -1,0 +1,39 @@
+"""What every command shares: parsing lists, the consoles, the model options, and JSON output."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+from rich.console import Console
+
+from optiq.errors import OptiqError
+
+# Tables go to stdout, progress and notes to stderr, so ``--json`` output stays one clean document.
+# Piped output keeps whole table rows instead of rich's 80-column default.
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True)
+
+
+def parse_concurrency(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise OptiqError(f"--concurrency must be a comma-separated list of integers, not '{text}'") from None
+    if not values or min(values) < 1:
+        raise OptiqError(f"--concurrency needs positive integers, got '{text}'")
+    return values
+
+
+def model_options(func):
+    """--model, --dtype and --device, shared by every command that loads a model."""
+    func = click.option("--device", default=None, help="cuda or cpu (default: cuda when present).")(func)
+    func = click.option("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")(func)
+    func = click.option("--model", "model_spec", default=None,
+                        help="A preset name (see `optiq bench --help`) or a local checkpoint directory.")(func)
+    return func
+
+
+def print_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))

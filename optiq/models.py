@@ -1,0 +1,104 @@
+"""Model presets (real architectures' configs with seeded random weights) and local checkpoints.
+
+Presets never download anything: each is a transformers config whose shapes match the named model's published config
+(layers, heads, KV heads, head dim, intermediate size, vocabulary, RoPE), with weights drawn from a fixed seed. Decode
+speed depends on shapes, not on weight values, so a preset measures what the real model would.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+from optiq.errors import OptiqError
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+PRESETS = {
+    # For tests: seconds on a CPU, same code paths as the real architectures.
+    "tiny-llama": lambda: LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=256, max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "tiny-qwen3-moe": lambda: Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, vocab_size=256,
+        max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Shapes of Qwen/Qwen3-0.6B.
+    "qwen3-0.6b": lambda: Qwen3Config(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Shapes of meta-llama/Llama-3.2-1B.
+    "llama-3.2-1b": lambda: LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        rope_parameters={**_LLAMA3_ROPE, "factor": 32.0}),
+    # Shapes of meta-llama/Llama-3.1-8B.
+    "llama-3.1-8b": lambda: LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        rope_parameters={**_LLAMA3_ROPE, "factor": 8.0}),
+    # Shapes of Qwen/Qwen3-30B-A3B: 48 layers, 128 experts, 8 active per token.
+    "qwen3-30b-a3b": lambda: Qwen3MoeConfig(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+SEED = 0
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_preset(device: torch.device) -> str:
+    """The model ``optiq profile`` and ``optiq apply-fusion`` use with no ``--model``: real-sized on a GPU."""
+    return "qwen3-0.6b" if device.type == "cuda" else "tiny-llama"
+
+
+def default_dtype(device: torch.device) -> str:
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name not in DTYPES:
+        raise OptiqError(f"unknown dtype '{name}'; choose one of: {', '.join(sorted(set(DTYPES)))}")
+    dtype = DTYPES[name]
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise OptiqError(f"{torch.cuda.get_device_name(device)} cannot run bf16; use --dtype fp16 or fp32")
+    return dtype
+
+
+def load_config(spec: str):
+    """A preset name or a checkpoint directory -> its transformers config."""
+    if spec in PRESETS:
+        return PRESETS[spec]()
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise OptiqError(f"checkpoint directory {spec} has no config.json")
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    raise OptiqError(f"unknown model '{spec}': not a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+
+
+def load_model(spec: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """Instantiate the model in eval mode on ``device``: seeded random weights for a preset, real ones for a checkpoint."""
+    config = load_config(spec)
+    if spec in PRESETS:
+        torch.manual_seed(SEED)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=True).to(device)
+        except OSError as exc:
+            raise OptiqError(f"cannot load checkpoint {spec}: {str(exc).splitlines()[0]}") from None
+    return model.eval()

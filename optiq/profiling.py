@@ -1,0 +1,43 @@
+"""Capture Kineto traces of decode steps: an annotated eager trace (op linkage, roles, layers) and, in graph mode, a
+trace of the graph replays that are what serving engines actually run."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from optiq.annotate import annotated, range_
+from optiq.engine import WARMUP_STEPS, DecodeEngine
+
+PROFILED_STEPS = 4
+
+
+def capture(model: torch.nn.Module, batch: int, prompt_len: int, max_len: int, mode: str, path: Path,
+            steps: int = PROFILED_STEPS) -> Path:
+    """Decode ``steps`` steps of a ``batch``-sequence prompt under torch.profiler and write the trace to ``path``.
+
+    Eager traces carry the role and layer annotations; graph traces only the step ranges (a replay runs no Python).
+    """
+    device = next(model.parameters()).device
+    engine = DecodeEngine(model, batch, max_len, mode=mode)
+    try:
+        generator = torch.Generator().manual_seed(batch)
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        engine.prefill(torch.randint(vocab, (batch, prompt_len), generator=generator))
+        for _ in range(WARMUP_STEPS):
+            engine.step()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with annotated(model, engine) if mode == "eager" else contextlib.nullcontext(), profile(activities=activities) as prof:
+            for n in range(steps):
+                with range_(f"optiq/step/{n}"):
+                    engine.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    finally:
+        engine.release()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    return path

@@ -1,0 +1,71 @@
+"""Run directories: one per command invocation, never reused, every file written atomically.
+
+A run directory holds ``run.json`` (what was asked, when, and whether it finished) and the command's results. Results
+are written as they are produced, so an interrupted or crashed run keeps everything measured before the interruption.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename: readers never see half a file."""
+    path = Path(path)
+    mode = "wb" if isinstance(data, bytes) else "w"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj) -> None:
+    write_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    write_atomic(path, pd.DataFrame(rows).to_csv(index=False))
+
+
+class RunDir:
+    """A fresh directory ``<root>/<command>-<timestamp>[-N]`` whose ``run.json`` tracks completion."""
+
+    def __init__(self, root: Path | str, command: str, args: dict):
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.path = self._claim(root, f"{command}-{stamp}")
+        self.meta = {"command": command, "args": args, "started": _dt.datetime.now().isoformat(), "status": "running"}
+        self._write_meta()
+
+    @staticmethod
+    def _claim(root: Path, base: str) -> Path:
+        """Create the directory with mkdir's atomicity: two processes started in the same second get two directories."""
+        for n in range(10_000):
+            path = root / (base if n == 0 else f"{base}-{n}")
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                continue
+        raise OSError(f"could not create a run directory under {root}")
+
+    def _write_meta(self) -> None:
+        write_json(self.path / "run.json", self.meta)
+
+    def finish(self, status: str = "complete", **extra) -> None:
+        """Record how the run ended: ``complete``, ``incomplete`` (interrupted) or ``failed``."""
+        self.meta.update(status=status, finished=_dt.datetime.now().isoformat(), **extra)
+        self._write_meta()

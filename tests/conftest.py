@@ -1,0 +1,16 @@
+"""Shared fixtures: tiny presets on the CPU (fp32, so comparisons can be tight) and an isolated optiq cache."""
+
+import pytest
+import torch
+
+from optiq.models import load_model
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTIQ_CACHE_DIR", str(tmp_path / "optiq-cache"))
+
+
+@pytest.fixture(scope="session", params=["tiny-llama", "tiny-qwen3-moe"])
+def tiny_model(request):
+    return load_model(request.param, torch.float32, torch.device("cpu"))

@@ -1,0 +1,89 @@
+"""`optiq bench` end to end on the CPU: JSON output, run directories, out-of-memory points, clear errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from optiq.cli import cli
+
+FAST = ["--model", "tiny-llama", "--prompt-len", "8", "--new-tokens", "4", "--max-len", "32", "--repeats", "2"]
+
+
+def run_cli(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_bench_json_has_positive_throughput_per_concurrency(tmp_path):
+    result = run_cli("bench", *FAST, "--concurrency", "1,2", "--json", "--runs-dir", str(tmp_path))
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert [row["concurrency"] for row in doc["rows"]] == [1, 2]
+    for row in doc["rows"]:
+        assert row["status"] == "ok" and row["tok_per_s"] > 0 and 0 < row["floor_ms_per_step"] < row["ms_per_step"]
+        assert row["tok_per_s"] == pytest.approx(row["concurrency"] * 1e3 / row["ms_per_step"])
+    run_dir = tmp_path / doc["run_dir"].rsplit("/", 1)[-1]
+    saved = json.loads((run_dir / "results.json").read_text())
+    assert saved["rows"] == doc["rows"]
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "complete"
+    assert (run_dir / "results.csv").read_text().count("\n") == 3
+
+
+def test_two_runs_never_share_a_directory(tmp_path):
+    runs = tmp_path / "runs"
+    first = json.loads(run_cli("bench", *FAST, "--concurrency", "1", "--json", "--runs-dir", str(runs)).stdout)
+    second = json.loads(run_cli("bench", *FAST, "--concurrency", "1", "--json", "--runs-dir", str(runs)).stdout)
+    assert first["run_dir"] != second["run_dir"]
+    assert len(list(runs.iterdir())) == 2
+
+
+def test_out_of_memory_concurrency_is_recorded_and_the_sweep_goes_on(tmp_path):
+    # A billion sequences' KV cache (terabytes) cannot be allocated; the points either side still run.
+    result = run_cli("bench", *FAST, "--concurrency", "1,1000000000,2", "--json", "--runs-dir", str(tmp_path))
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)["rows"]
+    assert [r["status"] for r in rows] == ["ok", "oom", "ok"]
+    assert rows[1]["concurrency"] == 1_000_000_000 and rows[1]["error"]
+
+
+def test_table_output(tmp_path):
+    result = run_cli("bench", *FAST, "--concurrency", "1", "--runs-dir", str(tmp_path))
+    assert result.exit_code == 0
+    assert "tok/s" in result.stdout and "% of floor" in result.stdout and "run directory:" in result.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "nope"], "unknown model 'nope'"),
+    (["--concurrency", "1,x"], "comma-separated list of integers"),
+    (["--concurrency", "0"], "positive integers"),
+    (["--max-len", "10"], "too short"),
+    (["--dtype", "fp4"], "unknown dtype"),
+])
+def test_bad_input_is_one_line_and_exit_1(tmp_path, args, message):
+    result = run_cli("bench", *FAST, *args, "--runs-dir", str(tmp_path))
+    assert result.exit_code == 1
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_graph_mode_without_cuda_is_a_clear_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = run_cli("bench", *FAST, "--mode", "graph", "--runs-dir", str(tmp_path))
+    assert result.exit_code == 1 and "needs a CUDA device" in result.stderr
+
+
+def test_planned_commands_say_so():
+    result = run_cli("recipes")
+    assert result.exit_code == 1 and "not implemented yet" in result.stderr
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "optiq", "bench", *FAST, "--concurrency", "1", "--json",
+                           "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["rows"][0]["tok_per_s"] > 0

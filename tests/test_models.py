@@ -1,0 +1,66 @@
+"""Presets have the real models' shapes; checkpoints load offline; bad names fail clearly."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from optiq.errors import OptiqError
+from optiq.models import PRESETS, load_config, load_model, resolve_dtype
+
+# Parameter counts of the published checkpoints (safetensors metadata of the real models).
+PUBLISHED_PARAMETERS = {
+    "qwen3-0.6b": 596_049_920,
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.1-8b": 8_030_261_248,
+    "qwen3-30b-a3b": 30_532_122_624,
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMETERS))
+def test_preset_has_the_real_models_parameter_count(preset):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(preset))
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMETERS[preset]
+
+
+def test_preset_attention_shapes():
+    llama = load_config("llama-3.1-8b")
+    assert (llama.num_attention_heads, llama.num_key_value_heads, llama.head_dim) == (32, 8, 128)
+    assert llama.rope_parameters["rope_type"] == "llama3" and llama.rope_parameters["rope_theta"] == 500000.0
+    moe = load_config("qwen3-30b-a3b")
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)
+
+
+def test_presets_are_seeded():
+    a = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    b = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+    assert a.model.layers[0].mlp.up_proj.weight.std() > 0
+
+
+def test_unknown_model_lists_the_presets():
+    with pytest.raises(OptiqError) as info:
+        load_config("llama-9000")
+    for name in PRESETS:
+        assert name in str(info.value)
+
+
+def test_checkpoint_directory_round_trip(tmp_path):
+    """A local checkpoint (real weights via from_pretrained, offline) computes what was saved."""
+    original = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    original.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    ids = torch.randint(256, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, original(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_checkpoint_directory_without_config(tmp_path):
+    with pytest.raises(OptiqError, match="no config.json"):
+        load_config(str(tmp_path))
+
+
+def test_unknown_dtype():
+    with pytest.raises(OptiqError, match="unknown dtype"):
+        resolve_dtype("fp8", torch.device("cpu"))
