@@ -1,36 +1,25 @@
-"""The ``optiq`` command group. Each command lives in ``optiq.commands``; this file only gathers them and turns
-user errors into one line and an exit code.
-
-\b
-Exit codes: 0 ok, 1 user error (bad model, trace, recipe or flag value), 2 usage (unknown flag),
-3 apply-fusion's validation gate rejected every recipe, 130 interrupted (results so far kept, run marked incomplete).
-"""
+"""The ``optiq`` command group. Each command lives in ``optiq.commands`` and is imported only when it runs, so
+``optiq analyze`` never pays for importing torch and ``--help`` answers at once. This file also turns user errors into
+one line and an exit code."""
 
 from __future__ import annotations
+
+import importlib
 
 import click
 
 from optiq import __version__
-from optiq.commands.bench import bench
 from optiq.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, OptiqError
 
-
-class OptiqGroup(click.Group):
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except OptiqError as exc:
-            click.echo(f"optiq: error: {exc}", err=True)
-            ctx.exit(EXIT_USER_ERROR)
-        except KeyboardInterrupt:
-            click.echo("optiq: interrupted", err=True)
-            ctx.exit(EXIT_INTERRUPTED)
-
-
-@click.group(cls=OptiqGroup, help=__doc__)
-@click.version_option(__version__, prog_name="optiq")
-def cli():
-    pass
+# name -> (module in optiq.commands, one-line help shown by `optiq --help`); None = not implemented yet (issue N).
+COMMANDS = {
+    "profile": (None, 3, "Profile the decode step; attribute GPU time to op classes and module roles."),
+    "analyze": ("analyze", None, "Attribute GPU time in traces captured anywhere (torch.profiler, vLLM, SGLang)."),
+    "recipes": (None, 4, "List the fusion recipe catalog."),
+    "apply-fusion": (None, 5, "Patch the model with fusion recipes, validate, re-measure, report."),
+    "bench": ("bench", None, "Decode throughput against concurrency, with the bandwidth floor."),
+    "report": (None, 5, "Render or compare runs."),
+}
 
 
 def _planned(name: str, issue: int, summary: str) -> click.Command:
@@ -44,15 +33,45 @@ def _planned(name: str, issue: int, summary: str) -> click.Command:
     return command
 
 
-cli.add_command(bench)
-for _name, _issue, _summary in [
-    ("profile", 3, "Profile the decode step and attribute GPU time to op classes and module roles"),
-    ("analyze", 3, "Attribute GPU time in traces captured elsewhere (torch.profiler, vLLM, SGLang)"),
-    ("recipes", 4, "List the fusion recipe catalog"),
-    ("apply-fusion", 5, "Patch the model with fusion recipes, validate, re-measure, report"),
-    ("report", 5, "Render or compare runs"),
-]:
-    cli.add_command(_planned(_name, _issue, _summary))
+class OptiqGroup(click.Group):
+    def list_commands(self, ctx):
+        return list(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module, issue, summary = COMMANDS[name]
+        if module is None:
+            return _planned(name, issue, summary)
+        return getattr(importlib.import_module(f"optiq.commands.{module}"), module)
+
+    def format_commands(self, ctx, formatter):
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, summary) for name, (_, _, summary) in COMMANDS.items()])
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except OptiqError as exc:
+            click.echo(f"optiq: error: {exc}", err=True)
+            ctx.exit(EXIT_USER_ERROR)
+        except KeyboardInterrupt:
+            click.echo("optiq: interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+
+
+HELP = """optiq: make LLM decode fast by measurement.
+
+\b
+Exit codes: 0 ok, 1 user error (bad model, trace, recipe or flag value), 2 usage (unknown flag),
+3 apply-fusion's validation gate rejected every recipe, 130 interrupted (results so far kept, run marked incomplete).
+"""
+
+
+@click.group(cls=OptiqGroup, help=HELP)
+@click.version_option(__version__, prog_name="optiq")
+def cli():
+    pass
 
 
 def main() -> None:
