@@ -1,0 +1,209 @@
+"""Attribution: from kernel tables to where each step's GPU time goes, per op class, role, kernel or layer.
+
+Every number is per decode step, so traces of different lengths and ranks compare: a rank's kernels weigh
+1 / (its number of steps). The share of GPU time placed by each method (linkage to the launching op, alignment of a
+graph replay with an eager step, the kernel's name, or nothing) is always reported, and time that nothing placed stays
+"unattributed": it is never shown as an op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from difflib import SequenceMatcher
+
+import numpy as np
+import pandas as pd
+
+from optiq.op_classes import short_kernel_name
+from optiq.trace_reader import Trace
+
+METHODS = ("linkage", "alignment", "name", "none", "cpu_op")
+GROUPINGS = {"class": "op_class", "role": "role", "kernel": "name", "layer": "layer"}
+NO_ROLE = "(no role)"
+NO_LAYER = "(no layer)"
+_INHERITED = ("op", "top_op", "op_class", "role", "layer")  # what a graph kernel takes from its eager twin
+
+
+@dataclass
+class Attribution:
+    """The attribution of one rank, or of several ranks together."""
+
+    by: str
+    table: pd.DataFrame  # one row per class/role/kernel/layer; see attribution_table
+    steps: pd.DataFrame  # one row per (rank, step); see step_stats
+    methods: dict[str, float]  # share of in-step GPU time placed by each method
+    summary: dict  # per-step means and the share of GPU time outside every step
+    notes: list[str] = field(default_factory=list)
+
+
+def align_graph_with_eager(graph: Trace, eager: Trace) -> int:
+    """Give CUDA-graph kernels the op, class, role and layer of their twins in an eager step of the same model and
+    batch: the replay runs the same kernels in the same order. The eager reference is its most frequent step
+    sequence; sequences are matched by kernel name (difflib), so a kernel the graph added or dropped just stays
+    unmatched. Returns how many kernels were aligned; they are marked with method "alignment"."""
+    reference = _reference_step(eager.kernels)
+    if reference is None:
+        return 0
+    ref_names = list(reference["name"].astype(object))
+    graph_rows = graph.kernels[graph.kernels["graph"] & (graph.kernels["step"] >= 0)].sort_values(["step", "ts"])
+    updates: dict[str, list] = {col: [] for col in _INHERITED}
+    targets: list[int] = []
+    for sequence, rows in _sequences(graph_rows).items():
+        blocks = SequenceMatcher(None, sequence, ref_names, autojunk=False).get_matching_blocks()
+        for a, b, size in blocks:
+            for offset in range(size):
+                twin = reference.iloc[b + offset]
+                if twin["method"] != "linkage":
+                    continue
+                for index in rows[:, a + offset]:
+                    targets.append(index)
+                    for col in _INHERITED:
+                        updates[col].append(twin[col])
+    if not targets:
+        return 0
+    table = graph.kernels
+    for col in ("op", "top_op"):
+        new = {v for v in updates[col] if isinstance(v, str)} - set(table[col].cat.categories)
+        table[col] = table[col].cat.add_categories(sorted(new))
+    for col, values in updates.items():
+        table.loc[targets, col] = values
+    table.loc[targets, "method"] = "alignment"
+    return len(targets)
+
+
+def _reference_step(kernels: pd.DataFrame) -> pd.DataFrame | None:
+    """The eager step whose kernel sequence occurs most often (the first step may carry one-time work)."""
+    in_steps = kernels[(kernels["step"] >= 0) & ~kernels["graph"]].sort_values(["step", "ts"])
+    if in_steps.empty:
+        return None
+    groups = {step: rows for step, rows in in_steps.groupby("step")}
+    keys = {step: tuple(rows["name"].astype(object)) for step, rows in groups.items()}
+    counts = pd.Series(list(keys.values())).value_counts()
+    best = counts.index[0]
+    return next(groups[step] for step, key in keys.items() if key == best)
+
+
+def _sequences(rows: pd.DataFrame) -> dict[tuple, np.ndarray]:
+    """Distinct kernel-name sequences of the steps in ``rows``, each with its row labels as [steps, position]."""
+    found: dict[tuple, list] = {}
+    for _, step_rows in rows.groupby("step"):
+        found.setdefault(tuple(step_rows["name"].astype(object)), []).append(step_rows.index.to_numpy())
+    return {seq: np.stack(indexes) for seq, indexes in found.items()}
+
+
+def _busy(ts: np.ndarray, dur: np.ndarray) -> float:
+    """Length of the union of kernel intervals: time on several streams at once counts once. Computed as the summed
+    durations less each interval's overlap with those before it, so that without overlap it is exactly their sum
+    (timestamps near 5e12 us would lose the nanoseconds in end - start)."""
+    if not len(ts):
+        return 0.0
+    order = np.argsort(ts, kind="stable")
+    ts, dur = ts[order], dur[order]
+    reach = np.maximum.accumulate(ts + dur)
+    overlap = np.clip(np.minimum(ts[1:] + dur[1:], reach[:-1]) - ts[1:], 0, None)
+    return float(dur.sum() - overlap.sum())
+
+
+def step_stats(trace: Trace) -> pd.DataFrame:
+    """Per step: wall time (step start to the later of its end and its last kernel's end), GPU busy time (union of
+    kernel intervals), summed kernel time, idle fraction (1 - busy / wall: the launch gaps), kernels, launches."""
+    kernels = trace.kernels[trace.kernels["step"] >= 0]
+    by_step = dict(tuple(kernels.groupby("step")))
+    rows = []
+    for step in trace.steps.itertuples():
+        mine = by_step.get(step.step, kernels.iloc[:0])
+        ts, dur = mine["ts"].to_numpy(), mine["dur"].to_numpy()
+        end = max(step.end, float((ts + dur).max()) if len(ts) else step.end)
+        wall = end - step.start
+        busy = float(dur.sum()) if trace.cpu_only else _busy(ts, dur)
+        rows.append({"rank": trace.rank, "step": step.step, "marker": step.name, "wall_us": wall, "busy_us": busy,
+                     "kernel_us": float(dur.sum()), "idle_frac": 1 - busy / wall if wall > 0 else 0.0,
+                     "kernels": len(mine), "launches": int(step.launches)})
+    return pd.DataFrame(rows, columns=["rank", "step", "marker", "wall_us", "busy_us", "kernel_us", "idle_frac",
+                                       "kernels", "launches"])
+
+
+def _weighted(traces: list[Trace]) -> pd.DataFrame:
+    """In-step kernels of all traces, each with weight 1 / (its trace's step count)."""
+    parts = []
+    for trace in traces:
+        k = trace.kernels[trace.kernels["step"] >= 0]
+        parts.append(pd.DataFrame({
+            "rank": trace.rank, "name": k["name"].astype(object), "dur": k["dur"], "op_class": k["op_class"],
+            "role": k["role"].fillna(NO_ROLE), "layer": k["layer"].where(k["layer"] >= 0, -1),
+            "top_op": k["top_op"].astype(object), "op": k["op"].astype(object), "method": k["method"],
+            "w": 1.0 / max(len(trace.steps), 1)}))
+    return pd.concat(parts, ignore_index=True)
+
+
+def _shares(frame: pd.DataFrame, column: str, top: int, label=lambda v: str(v)) -> str:
+    """The ``top`` values of ``column`` by weighted time, with their share: "attention 80%, mlp 20%"."""
+    time = (frame["dur"] * frame["w"]).groupby(frame[column], dropna=False).sum().sort_values(ascending=False)
+    total = time.sum()
+    return ", ".join(f"{label(v)} {100 * t / total:.0f}%" for v, t in time.head(top).items() if total > 0)
+
+
+def _where(frame: pd.DataFrame, by: str, top: int) -> str:
+    """Where a group's time is: its roles and the top-level ops under them for a class or kernel; its classes for a
+    role or layer."""
+    if by in ("role", "layer"):
+        return _shares(frame, "op_class", top)
+    role = frame["role"].where(frame["role"] != NO_ROLE, "")
+    top_level = frame["top_op"].astype(object)
+    op = top_level.where(top_level.str.startswith("aten::", na=False), frame["op"]).fillna("")  # not "Torch-Compiled Region"
+    place = (role + ": " + op).str.strip(": ")
+    known = place != ""
+    return _shares(frame[known].assign(place=place[known]), "place", top) if known.any() else "unknown"
+
+
+def attribution_table(frame: pd.DataFrame, by: str = "class", top: int = 3) -> pd.DataFrame:
+    """Rows of ``by`` (class, role, kernel, layer), largest first: GPU ms per step, % of GPU time, kernels per step,
+    mean us per kernel, the top kernels and where the time is."""
+    column = GROUPINGS[by]
+    weighted_time = frame["dur"] * frame["w"]
+    total = weighted_time.sum()
+    rows = []
+    for key, group in frame.groupby(column, sort=False):
+        time = (group["dur"] * group["w"]).sum()
+        label = short_kernel_name(key) if by == "kernel" else NO_LAYER if by == "layer" and key < 0 else key
+        rows.append({
+            by: label if by != "kernel" else key, "label": label, "gpu_ms_per_step": time / 1000,
+            "pct": 100 * time / total if total > 0 else 0.0, "kernels_per_step": group["w"].sum(),
+            "mean_us": group["dur"].mean(),
+            "top_kernels": "" if by == "kernel" else _shares(group, "name", top, short_kernel_name),
+            "where": _where(group, by, top)})
+    table = pd.DataFrame(rows, columns=[by, "label", "gpu_ms_per_step", "pct", "kernels_per_step", "mean_us",
+                                        "top_kernels", "where"])
+    return table.sort_values("gpu_ms_per_step", ascending=False, ignore_index=True)
+
+
+def attribute(traces: list[Trace], by: str = "class", top: int = 3) -> Attribution:
+    """The attribution of one trace, or of several (one per rank) taken together."""
+    if by not in GROUPINGS:
+        raise ValueError(f"by must be one of {', '.join(GROUPINGS)}, not {by!r}")
+    frame = _weighted(traces)
+    steps = pd.concat([step_stats(t) for t in traces], ignore_index=True)
+    time = frame["dur"] * frame["w"]
+    total = time.sum()
+    methods = {m: float(time[frame["method"] == m].sum() / total) if total > 0 else 0.0 for m in METHODS}
+    all_time = sum(float(t.kernels["dur"].sum()) for t in traces)
+    outside = sum(float(t.kernels.loc[t.kernels["step"] < 0, "dur"].sum()) for t in traces)
+    per_rank = steps.groupby("rank")[["wall_us", "busy_us", "kernel_us", "kernels", "launches"]].mean()
+    summary = {
+        "ranks": len(traces), "steps": int(sum(len(t.steps) for t in traces)),
+        "gpu_ms_per_step": float(per_rank["kernel_us"].sum() / 1000),
+        "busy_ms_per_step": float(per_rank["busy_us"].sum() / 1000),
+        "wall_ms_per_step": float(per_rank["wall_us"].mean() / 1000),
+        "idle_frac": float(steps["idle_frac"].mean()) if len(steps) else 0.0,
+        "kernels_per_step": float(per_rank["kernels"].sum()), "launches_per_step": float(per_rank["launches"].sum()),
+        "outside_steps_frac": outside / all_time if all_time > 0 else 0.0,
+        "time_unit": "CPU self time" if all(t.cpu_only for t in traces) else "GPU time",
+    }
+    notes = [note for t in traces for note in t.notes]
+    if summary["outside_steps_frac"] > 0:
+        notes.append(f"{100 * summary['outside_steps_frac']:.1f}% of the time lies outside every step and is left "
+                     "out of the table")
+    if by == "role" and (frame["role"] == NO_ROLE).all():
+        notes.append("no optiq/role annotations in this trace: every kernel is outside a role")
+    return Attribution(by=by, table=attribution_table(frame, by, top), steps=steps, methods=methods,
+                       summary=summary, notes=list(dict.fromkeys(notes)))

@@ -1,0 +1,109 @@
+"""``optiq analyze TRACE...``: where each decode step's GPU time goes, for traces captured anywhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from optiq.attribution import GROUPINGS, Attribution, align_graph_with_eager, attribute
+from optiq.commands.common import err, out, print_json
+from optiq.errors import OptiqError
+from optiq.rundir import write_csv
+from optiq.trace_reader import Trace, read_trace
+
+TABLE_COLUMNS = ("gpu_ms_per_step", "pct", "kernels_per_step", "mean_us", "top_kernels", "where")
+
+
+def read_ranks(paths: list[str]) -> list[Trace]:
+    """One trace per file; files that claim the same rank (or none) are numbered by their position instead."""
+    traces = [read_trace(path) for path in paths]
+    if len({t.rank for t in traces}) < len(traces):
+        for position, trace in enumerate(traces):
+            trace.rank = position
+    return sorted(traces, key=lambda t: t.rank)
+
+
+def align_with_companion(traces: list[Trace], companion: str) -> None:
+    """Attribute each graph trace's replayed kernels through the eager companion (same model and batch)."""
+    eager = read_trace(companion)
+    if eager.kernels["graph"].any() or eager.cpu_only:
+        raise OptiqError(f"{companion}: the eager companion must be an eager GPU trace (no CUDA-graph replay)")
+    for trace in traces:
+        if not trace.kernels["graph"].any():
+            trace.notes.append("no CUDA-graph replay in this trace: --eager-companion not used")
+            continue
+        aligned = align_graph_with_eager(trace, eager)
+        replayed = int(trace.kernels["graph"].sum())
+        trace.notes.append(f"{aligned} of {replayed} replayed kernels aligned with {Path(companion).name}")
+
+
+def methods_line(attribution: Attribution) -> str:
+    used = {m: share for m, share in attribution.methods.items() if share > 0 or m in ("linkage", "none")}
+    return "attributed by " + ", ".join(f"{m} {100 * share:.1f}%" for m, share in used.items())
+
+
+def summary_line(attribution: Attribution) -> str:
+    s = attribution.summary
+    return (f"{s['steps']} step(s) · {s['time_unit']} {s['gpu_ms_per_step']:.3f} ms/step (busy "
+            f"{s['busy_ms_per_step']:.3f}) · wall {s['wall_ms_per_step']:.3f} ms/step · idle "
+            f"{100 * s['idle_frac']:.0f}% · {s['kernels_per_step']:.0f} kernels, {s['launches_per_step']:.0f} "
+            f"launches per step")
+
+
+def render(attribution: Attribution, title: str) -> Table:
+    unit = "GPU" if attribution.summary["time_unit"] == "GPU time" else "CPU"
+    table = Table(title=title, caption=f"{summary_line(attribution)}\n{methods_line(attribution)}")
+    for name in (attribution.by, f"{unit} ms/step", f"% {unit}", "kernels/step", "us/kernel", "top kernels", "where"):
+        table.add_column(name, justify="right" if "/" in name or "%" in name else "left", overflow="fold")
+    for row in attribution.table.itertuples():
+        table.add_row(str(row.label), f"{row.gpu_ms_per_step:.4f}", f"{row.pct:.1f}", f"{row.kernels_per_step:.1f}",
+                      f"{row.mean_us:.2f}", row.top_kernels, row.where)
+    return table
+
+
+def document(attribution: Attribution, traces: list[Trace]) -> dict:
+    return {"by": attribution.by, "files": [t.path for t in traces], "ranks": [t.rank for t in traces],
+            "step_source": sorted({t.step_source for t in traces}), "summary": attribution.summary,
+            "methods": attribution.methods, "notes": attribution.notes,
+            "table": attribution.table.to_dict(orient="records"),
+            "steps": attribution.steps.to_dict(orient="records")}
+
+
+@click.command()
+@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--by", type=click.Choice(list(GROUPINGS)), default="class", show_default=True,
+              help="Group GPU time by op class, module role, kernel or decoder layer.")
+@click.option("--eager-companion", default=None, type=click.Path(dir_okay=False),
+              help="An eager trace of the same model and batch: CUDA-graph kernels take its ops, roles and layers.")
+@click.option("--top", default=3, show_default=True, type=click.IntRange(1), help="Top kernels / places per row.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
+@click.option("--csv", "csv_path", default=None, type=click.Path(dir_okay=False), help="Also write the rows here.")
+def analyze(traces, by, eager_companion, top, as_json, csv_path):
+    """Attribute the GPU time of traces captured elsewhere: torch.profiler exports, vLLM (*.pt.trace.json.gz) and
+    SGLang (*-TP-*.trace.json.gz), .json or .json.gz.
+
+    \b
+    Several files are several ranks: each is shown, then all together. Steps come from optiq/step annotations,
+    else vLLM's or SGLang's step markers, else the whole trace is one step.
+    """
+    with err.status(f"reading {len(traces)} trace(s)"):
+        read = read_ranks(list(traces))
+        if eager_companion:
+            align_with_companion(read, eager_companion)
+    results = [(f"rank {t.rank} · {Path(t.path).name}", [t], attribute([t], by, top)) for t in read]
+    if len(read) > 1:
+        results.append((f"all {len(read)} ranks", read, attribute(read, by, top)))
+
+    if csv_path:
+        rows = [{"scope": title.split(" · ")[0], **row} for title, _, a in results
+                for row in a.table.drop(columns="label").to_dict(orient="records")]
+        write_csv(Path(csv_path), rows)
+    if as_json:
+        print_json({"results": [{"scope": title, **document(a, ts)} for title, ts, a in results]})
+        return
+    for title, _, attribution in results:
+        out.print(render(attribution, f"{title} · by {by}"))
+        for note in attribution.notes:
+            out.print(f"  note: {note}")

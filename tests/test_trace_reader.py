@@ -1,0 +1,213 @@
+"""The streaming reader against independent json.load computations on real traces (H200 fixtures captured by
+tests/data/make_traces.py, CPU traces captured here) and against malformed input."""
+
+import gzip
+import json
+import math
+import random
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from data.make_traces import cpu_trace
+from optiq.errors import OptiqError
+from optiq.trace_reader import read_trace
+
+DATA = Path(__file__).parent / "data"
+GPU_CATS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
+
+
+def load(path):
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def write_events(path, events, **top):
+    path.write_text(json.dumps({**top, "traceEvents": events}))
+    return path
+
+
+def enclosing(ranges, pid, tid, ts, prefix):
+    """Innermost range with ``prefix`` around (pid, tid, ts), by brute force."""
+    around = [r for r in ranges if r["name"].startswith(prefix) and r["pid"] == pid and r["tid"] == tid
+              and r["ts"] <= ts <= r["ts"] + r["dur"]]
+    return max(around, key=lambda r: r["ts"])["name"][len(prefix):] if around else None
+
+
+@pytest.fixture(scope="module")
+def cpu_json(tmp_path_factory):
+    return cpu_trace(tmp_path_factory.mktemp("cpu") / "cpu.json")
+
+
+@pytest.mark.parametrize("fixture", ["gpu_eager", "gpu_graph", "gpu_compiled"])
+def test_totals_equal_an_independent_sum_exactly(fixture):
+    events = load(DATA / f"{fixture}.json.gz")["traceEvents"]
+    expected = defaultdict(list)
+    for e in events:
+        if e.get("cat") in GPU_CATS:
+            expected[e["name"]].append(e["dur"])
+    kernels = read_trace(DATA / f"{fixture}.json.gz").kernels
+    got = {name: sorted(durs) for name, durs in kernels.groupby("name", observed=True)["dur"]}
+    assert got == {name: sorted(durs) for name, durs in expected.items()}  # every duration as written, unrounded
+    assert math.fsum(kernels["dur"]) == math.fsum(d for durs in expected.values() for d in durs)
+
+
+def test_linkage_role_layer_and_step_match_a_brute_force_reading():
+    events = load(DATA / "gpu_eager.json.gz")["traceEvents"]
+    op_of = {e["args"]["External id"]: e["name"] for e in events if e.get("cat") == "cpu_op"}
+    launch_of = {e["args"]["correlation"]: e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")}
+    ranges = [e for e in events if e.get("cat") == "user_annotation"]
+    kernels = read_trace(DATA / "gpu_eager.json.gz").kernels.sort_values("ts", ignore_index=True)
+    gpu = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    steps = sorted(r["ts"] for r in ranges if r["name"].startswith("optiq/step/"))
+    for row, e in zip(kernels.itertuples(), gpu):
+        launch = launch_of[e["args"]["correlation"]]
+        args = (launch["pid"], launch["tid"], launch["ts"])
+        layer, role = enclosing(ranges, *args, "optiq/layer/"), enclosing(ranges, *args, "optiq/role/")
+        step = enclosing(ranges, *args, "optiq/step/")
+        assert row.op == op_of[e["args"]["External id"]]
+        assert row.layer == (int(layer) if layer else -1)
+        assert (row.role if isinstance(row.role, str) else None) == (role or ("other" if layer else None))
+        assert row.step == steps.index(next(r["ts"] for r in ranges if r["name"] == f"optiq/step/{step}"))
+        assert row.method == "linkage" and row.launch == launch["name"]
+    assert set(kernels["role"].dropna()) >= {"attention", "mlp", "norm", "qkv_proj", "o_proj", "embed", "lm_head",
+                                             "sampling", "rope"}
+
+
+def test_graph_replay_has_no_ops_and_one_launch_per_step():
+    trace = read_trace(DATA / "gpu_graph.json.gz")
+    k = trace.kernels
+    assert k["graph"].all() and k["op"].isna().all() and (k["launch"] == "cudaGraphLaunch").all()
+    assert set(k["method"]) == {"name", "none"}
+    assert (k.loc[k["method"] == "none", "op_class"] == "unattributed").all()
+    assert list(trace.steps["launches"]) == [1, 1, 1]
+    assert list(k.groupby("step").size()) == [126, 126, 126]
+
+
+def test_event_order_does_not_matter(tmp_path):
+    document = load(DATA / "gpu_eager.json.gz")
+    random.Random(0).shuffle(document["traceEvents"])
+    shuffled = read_trace(write_events(tmp_path / "shuffled.json", document["traceEvents"])).kernels
+    original = read_trace(DATA / "gpu_eager.json.gz").kernels
+    columns = ["ts", "dur", "op", "role", "layer", "step", "op_class", "method"]
+    a = shuffled.sort_values("ts", ignore_index=True)[columns].astype(str)
+    b = original.sort_values("ts", ignore_index=True)[columns].astype(str)
+    assert a.equals(b)
+
+
+def test_cpu_only_trace_attributes_cpu_self_time(cpu_json, tmp_path):
+    events = load(cpu_json)["traceEvents"]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    trace = read_trace(cpu_json)
+    assert trace.cpu_only and "no GPU events" in trace.notes[0]
+    assert len(trace.kernels) == len(ops) and set(trace.kernels["method"]) == {"cpu_op"}
+    # self times add up to the time of the outermost ops, thread by thread
+    outer = 0.0
+    for e in ops:
+        if not any(o is not e and o["tid"] == e["tid"] and o["ts"] <= e["ts"] and
+                   e["ts"] + e["dur"] <= o["ts"] + o["dur"] and (o["dur"], -o["ts"]) > (e["dur"], -e["ts"])
+                   for o in ops):
+            outer += e["dur"]
+    assert trace.kernels["dur"].sum() == pytest.approx(outer, rel=1e-9)
+    assert (trace.kernels["dur"] >= -1e-6).all()
+    assert len(trace.steps) == 2 and set(trace.kernels["step"]) <= {-1, 0, 1}
+    assert {"attention", "mlp", "norm", "qkv_proj", "sampling"} <= set(trace.kernels["role"].dropna())
+    with open(cpu_json, "rb") as src, gzip.open(tmp_path / "cpu.json.gz", "wb") as dst:
+        dst.write(src.read())
+    assert read_trace(tmp_path / "cpu.json.gz").kernels["dur"].equals(trace.kernels["dur"])
+
+
+def launch_pair(ts, corr, name="void at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"):
+    """A kernel and its cudaLaunchKernel, shaped as Kineto writes them (no op: the trace lacks cpu_ops)."""
+    return [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 7, "tid": 7, "ts": ts, "dur": 2,
+             "args": {"correlation": corr}},
+            {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts + 5, "dur": 3.25,
+             "args": {"correlation": corr, "stream": 7, "device": 0}}]
+
+
+def marker(name, ts, dur):
+    return {"ph": "X", "cat": "user_annotation", "name": name, "pid": 7, "tid": 7, "ts": ts, "dur": dur}
+
+
+@pytest.mark.parametrize("decode, prefill, source", [
+    ("execute_context_0(0)_generation_4(4)", "execute_context_1(16)_generation_0(0)", "vllm"),
+    ("step[DECODE bs=4]", "step[EXTEND bs=1 toks=16]", "sglang"),
+])
+def test_foreign_step_markers(tmp_path, decode, prefill, source):
+    events = [marker(prefill, 0, 50), *launch_pair(10, 1), marker(decode, 100, 50), *launch_pair(110, 2),
+              *launch_pair(120, 3), marker(decode, 200, 50), *launch_pair(210, 4)]
+    trace = read_trace(write_events(tmp_path / "t.json", events))
+    assert trace.step_source == source and len(trace.steps) == 2
+    assert list(trace.kernels.sort_values("ts")["step"]) == [-1, 0, 0, 1]
+    assert list(trace.steps["launches"]) == [2, 1]
+    assert any("non-decode" in note for note in trace.notes)
+    assert set(trace.kernels["method"]) == {"name"} and set(trace.kernels["op_class"]) == {"copy_"}
+
+
+def test_no_markers_make_one_step_and_say_so(tmp_path):
+    trace = read_trace(write_events(tmp_path / "t.json", launch_pair(0, 1) + launch_pair(50, 2)))
+    assert trace.step_source == "whole trace" and len(trace.steps) == 1
+    assert (trace.kernels["step"] == 0).all() and "whole trace" in trace.notes[0]
+
+
+def test_memcpy_and_memset_are_their_own_class(tmp_path):
+    events = [{"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "pid": 0, "tid": 7,
+               "ts": 1, "dur": 2.5, "args": {"correlation": 9, "stream": 7, "device": 0}},
+              {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "pid": 0, "tid": 7, "ts": 5, "dur": 1.5,
+               "args": {"correlation": 10, "stream": 7, "device": 0}}]
+    k = read_trace(write_events(tmp_path / "t.json", events)).kernels
+    assert list(k["kind"]) == ["memcpy", "memset"] and set(k["op_class"]) == {"memcpy/memset"}
+
+
+def test_rank_comes_from_distributed_info(tmp_path):
+    path = write_events(tmp_path / "t.json", launch_pair(0, 1), distributedInfo={"rank": 3, "world_size": 4})
+    assert read_trace(path).rank == 3
+
+
+def test_malformed_inputs_raise_one_line_errors(tmp_path):
+    good = (DATA / "gpu_eager.json.gz").read_bytes()
+    (tmp_path / "truncated.json.gz").write_bytes(good[: len(good) // 2])
+    (tmp_path / "not.json").write_text("this is not json {")
+    (tmp_path / "nokey.json").write_text(json.dumps({"schemaVersion": 1, "events": []}))
+    (tmp_path / "empty.json").write_text(json.dumps({"traceEvents": []}))
+    write_events(tmp_path / "nogpu.json", [marker("optiq/step/0", 0, 5)])
+    cases = {"truncated.json.gz": "truncated or corrupt gzip", "not.json": "not a JSON trace",
+             "nokey.json": "no traceEvents", "empty.json": "empty traceEvents", "nogpu.json": "no GPU events",
+             "missing.json": "no such trace file"}
+    for name, message in cases.items():
+        with pytest.raises(OptiqError, match=message) as info:
+            read_trace(tmp_path / name)
+        assert "\n" not in str(info.value)
+
+
+def test_real_gpu_traces_in_traces_dir():
+    """Traces captured on an H200 by `optiq profile` (traces/*.json.gz), when present: per-class totals equal an
+    independent sum over the raw events, classified the same way."""
+    from optiq.op_classes import class_of_kernel, class_of_op
+
+    paths = sorted((Path(__file__).parent.parent / "traces").glob("*.json.gz"))
+    if not paths:
+        pytest.skip("no traces/*.json.gz yet")
+    for path in paths:
+        events = load(path)["traceEvents"]
+        op_of = {e["args"].get("External id"): e["name"] for e in events if e.get("cat") == "cpu_op"}
+        launch_of = {e["args"].get("correlation"): e["name"] for e in events
+                     if e.get("cat") in ("cuda_runtime", "cuda_driver")}
+        expected = defaultdict(float)
+        for e in events:
+            if e.get("cat") not in GPU_CATS:
+                continue
+            op = op_of.get(e["args"].get("External id"))
+            graph = launch_of.get(e["args"].get("correlation")) == "cudaGraphLaunch"
+            if e["cat"] != "kernel":
+                cls = "memcpy/memset"
+            elif op is not None and not graph and class_of_op(op) != "other":
+                cls = class_of_op(op)
+            else:
+                cls = class_of_kernel(e["name"])
+                cls = "unattributed" if cls == "other" and (op is None or graph) else cls
+            expected[cls] += e["dur"]
+        got = read_trace(path).kernels.groupby("op_class")["dur"].sum().to_dict()
+        assert got == pytest.approx(dict(expected), rel=1e-12), path.name
