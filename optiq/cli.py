@@ -13,7 +13,7 @@ from optiq.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, OptiqError
 
 # name -> (module in optiq.commands, one-line help shown by `optiq --help`); None = not implemented yet (issue N).
 COMMANDS = {
-    "profile": (None, 3, "Profile the decode step; attribute GPU time to op classes and module roles."),
+    "profile": ("profile", None, "Profile the decode step; attribute GPU time to op classes and module roles."),
     "analyze": ("analyze", None, "Attribute GPU time in traces captured anywhere (torch.profiler, vLLM, SGLang)."),
     "recipes": (None, 4, "List the fusion recipe catalog."),
     "apply-fusion": (None, 5, "Patch the model with fusion recipes, validate, re-measure, report."),

@@ -1,9 +1,18 @@
-"""Shared fixtures: tiny presets on the CPU (fp32, so comparisons can be tight) and an isolated optiq cache."""
+"""Shared fixtures: tiny presets on the CPU (fp32, so comparisons can be tight) and an isolated optiq cache.
 
-import pytest
+Without a GPU, Triton kernels run under the interpreter; the variable must be set before triton is first imported.
+"""
+
+import os
+
 import torch
 
-from optiq.models import load_model
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from optiq.models import load_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -12,9 +12,9 @@ from rich.table import Table
 
 from optiq import __version__
 from optiq.bench import Workload, compiled_forward, sweep
-from optiq.commands.common import err, model_options, out, parse_concurrency, print_json
+from optiq.commands.common import err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode
 from optiq.errors import EXIT_INTERRUPTED, OptiqError
-from optiq.models import PRESETS, default_device, default_dtype, default_preset, load_model, resolve_dtype
+from optiq.models import PRESETS, default_dtype, default_preset, load_model, resolve_dtype
 from optiq.roofline import copy_bandwidth, device_name
 from optiq.rundir import RunDir, write_csv, write_json
 
@@ -62,13 +62,8 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
     A concurrency that runs out of memory is recorded as such and the sweep goes on. Results are written to a new run
     directory (results.json, results.csv) after every point; Ctrl-C keeps what was measured and marks it incomplete.
     """
-    device = torch.device(device) if device else default_device()
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise OptiqError("--device cuda asked for, but this machine has no CUDA device")
+    device, mode = resolve_device_and_mode(device, mode)
     model_spec = model_spec or default_preset(device)
-    mode = mode or ("graph" if device.type == "cuda" else "eager")
-    if mode == "graph" and device.type != "cuda":
-        raise OptiqError("--mode graph needs a CUDA device; use --mode eager on the CPU")
     workload = Workload(prompt_len, new_tokens, max_len, repeats)
     try:
         workload.check()

@@ -26,6 +26,19 @@ def parse_concurrency(text: str) -> list[int]:
     return values
 
 
+def resolve_device_and_mode(device: str | None, mode: str | None):
+    """The torch device (default: CUDA when present) and engine mode (default: graph on CUDA, eager elsewhere)."""
+    import torch
+
+    resolved = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise OptiqError("--device cuda asked for, but this machine has no CUDA device")
+    mode = mode or ("graph" if resolved.type == "cuda" else "eager")
+    if mode == "graph" and resolved.type != "cuda":
+        raise OptiqError("--mode graph needs a CUDA device; use --mode eager on the CPU")
+    return resolved, mode
+
+
 def model_options(func):
     """--model, --dtype and --device, shared by every command that loads a model."""
     func = click.option("--device", default=None, help="cuda or cpu (default: cuda when present).")(func)

@@ -1,0 +1,86 @@
+"""``optiq profile``: where the decode step's time goes, on optiq's own engine, at each concurrency."""
+
+from __future__ import annotations
+
+import click
+
+from optiq.commands.common import err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode
+from optiq.errors import EXIT_INTERRUPTED, OptiqError
+
+
+@click.command()
+@model_options
+@click.option("--concurrency", default="1,64", show_default=True, help="Batch sizes to profile, comma-separated.")
+@click.option("--prompt-len", default=512, show_default=True, help="Random prompt tokens per sequence.")
+@click.option("--max-len", default=1024, show_default=True, help="Static KV-cache length.")
+@click.option("--steps", default=4, show_default=True, type=click.IntRange(1), help="Decode steps profiled.")
+@click.option("--mode", type=click.Choice(["eager", "graph"]), default=None,
+              help="What is timed: eager steps, or CUDA-graph replays (default on CUDA; an annotated eager trace of "
+                   "the same batch supplies the op linkage).")
+@click.option("--by", type=click.Choice(["class", "role", "kernel", "layer"]), default="class", show_default=True,
+              help="Group GPU time by op class, module role, kernel or decoder layer.")
+@click.option("--top", default=3, show_default=True, type=click.IntRange(1), help="Top kernels / places per row.")
+@click.option("--runs-dir", default="runs", show_default=True, help="Where the run directory is created.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
+def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, mode, by, top, runs_dir, as_json):
+    """Run the decode step under torch.profiler at each concurrency and attribute its GPU time.
+
+    \b
+    Every decoder layer and module role is annotated (record_function in the trace, NVTX ranges for Nsight Systems
+    when the nvtx package is installed). The run directory keeps each trace (.json.gz) and attribution (JSON, CSV).
+    """
+    from optiq.attribution import align_graph_with_eager, attribute
+    from optiq.bench import Workload, free_memory
+    from optiq.commands.analyze import document, render
+    from optiq.commands.bench import environment
+    from optiq.models import default_dtype, default_preset, load_model, resolve_dtype
+    from optiq.profiling import capture
+    from optiq.rundir import RunDir, write_csv, write_json
+    from optiq.trace_reader import read_trace
+
+    device, mode = resolve_device_and_mode(device, mode)
+    model_spec = model_spec or default_preset(device)
+    try:
+        Workload(prompt_len, steps, max_len, repeats=1).check()
+    except ValueError as exc:
+        raise OptiqError(str(exc).replace("--new-tokens", "--steps")) from None
+    concurrencies = parse_concurrency(concurrency)
+    torch_dtype = resolve_dtype(dtype or default_dtype(device), device)
+    args = dict(model=model_spec, dtype=str(torch_dtype).removeprefix("torch."), concurrency=concurrencies,
+                mode=mode, prompt_len=prompt_len, max_len=max_len, steps=steps, by=by)
+    run = RunDir(runs_dir, "profile", args)
+    write_json(run.path / "environment.json", environment(device))
+    with err.status(f"loading {model_spec}"):
+        model = load_model(model_spec, torch_dtype, device)
+
+    results = []
+    try:
+        for batch in concurrencies:
+            with err.status(f"profiling {model_spec} C={batch} ({mode})"):
+                traces = {m: capture(model, batch, prompt_len, max_len, m, run.path / f"trace_{m}_C{batch}.json.gz",
+                                     steps) for m in dict.fromkeys(("eager", mode))}
+                eager = timed = read_trace(traces["eager"])
+                if mode == "graph":
+                    timed = read_trace(traces["graph"])
+                    aligned = align_graph_with_eager(timed, eager)
+                    timed.notes.append(f"{aligned} of {int(timed.kernels['graph'].sum())} replayed kernels aligned "
+                                       f"with the eager trace of the same batch")
+                attribution = attribute([timed], by, top)
+            doc = {"concurrency": batch, "mode": mode, **document(attribution, [timed])}
+            write_json(run.path / f"attribution_C{batch}.json", doc)
+            write_csv(run.path / f"attribution_C{batch}.csv", attribution.table.to_dict(orient="records"))
+            results.append(doc)
+            if not as_json:
+                out.print(render(attribution, f"{model_spec} · C={batch} · {mode} · by {by}"))
+                for note in attribution.notes:
+                    out.print(f"  note: {note}")
+            free_memory()
+    except KeyboardInterrupt:
+        run.finish("incomplete", concurrencies_done=len(results))
+        err.print(f"interrupted: {len(results)} concurrency(ies) kept in {run.path} (marked incomplete)")
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    run.finish("complete", concurrencies_done=len(results))
+    if as_json:
+        print_json({"run_dir": str(run.path), "args": args, "results": results})
+    else:
+        out.print(f"run directory: {run.path}")
