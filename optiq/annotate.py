@@ -1,7 +1,8 @@
 """Name every decoder layer and module role in the profiler's trace (record_function) and in Nsight (NVTX).
 
 Roles are what an engineer fuses by: ``embed``, ``norm``, ``qkv_proj``, ``rope``, ``kv_write``, ``attention``,
-``o_proj``, ``mlp``, ``moe_router``, ``experts``, ``lm_head``, ``sampling``. A range is named ``optiq/layer/<i>`` or
+``repeat_kv`` (GQA's copy of the KV heads, inside attention), ``o_proj``, ``mlp``, ``moe_router``, ``experts``,
+``lm_head``, ``sampling``. A range is named ``optiq/layer/<i>`` or
 ``optiq/role/<role>``; decode steps are ``optiq/step/<n>``. Annotation installs wrappers on the model's instances for
 the duration of a ``with annotated(...)`` block and removes them after, so an unannotated model pays nothing.
 """
@@ -83,9 +84,12 @@ def annotated(model: torch.nn.Module, engine=None):
     if engine is not None:
         patch(engine.cache, "update", "optiq/role/kv_write")
         patch(engine, "sample", "optiq/role/sampling")
-    for module_name in {type(layer.self_attn).__module__ for layer in model.get_decoder().layers}:
-        if hasattr(sys.modules[module_name], "apply_rotary_pos_emb"):
-            patch(sys.modules[module_name], "apply_rotary_pos_emb", "optiq/role/rope")
+    modeling = {type(layer.self_attn).__module__ for layer in model.get_decoder().layers}
+    for module_name in sorted(modeling | {"transformers.integrations.sdpa_attention"}):
+        module = sys.modules.get(module_name)
+        for function, role in (("apply_rotary_pos_emb", "rope"), ("repeat_kv", "repeat_kv")):
+            if module is not None and hasattr(module, function):
+                patch(module, function, f"optiq/role/{role}")
     try:
         yield
     finally:

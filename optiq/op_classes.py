@@ -40,6 +40,7 @@ _ATEN = {
                      "leaky_relu"), "activation"),
     **dict.fromkeys(("topk", "sort", "argsort", "scatter", "scatter_add", "scatter_reduce", "gather", "_grouped_mm",
                      "index_add", "bincount", "histc"), "moe"),
+    **dict.fromkeys(("embedding", "index_select"), "other"),
     **dict.fromkeys(("argmax", "argmin", "multinomial", "exponential", "uniform", "bernoulli"), "sampling"),
     **dict.fromkeys(("neg", "pow", "rsqrt", "sqrt", "exp", "log", "div", "sub", "where", "fill", "zero", "eq", "ne",
                      "lt", "le", "gt", "ge", "cos", "sin", "arange", "masked_fill", "bitwise_and", "bitwise_or",
@@ -53,7 +54,8 @@ _ATEN = {
 _KERNEL_PATTERNS = [(re.compile(p, re.IGNORECASE), c) for p, c in [
     (r"^memcpy|^memset|cudaMemcpy|cudaMemset", "memcpy/memset"),
     (r"flash|fmha|sdpa|attention|attn|paged|mla_|decode_kernel.*kv|splitkv", "attention"),
-    (r"moe|grouped_gemm|grouped_mm|topk|radixsort|radix_sort|bitonicsort|sort_kernel|segmented_sort|"
+    (r"vectorized_gather_kernel", "other"),  # ATen's index_select / embedding row gather
+    (r"moe|grouped_gemm|grouped_mm|groupproblemshape|ptrarray|topk|radixsort|radix_sort|bitonicsort|sort_kernel|segmented_sort|"
      r"scatter|gather_kernel|expert", "moe"),
     (r"catarraybatchedcopy|direct_copy|copy_kernel|index_copy|index_put|_to_copy|copy_device_to_device|"
      r"reshape_and_cache|concat_and_cache|store_kvcache|repeat_interleave|cat_kernel", "copy_"),
