@@ -40,7 +40,6 @@ _ATEN = {
                      "leaky_relu"), "activation"),
     **dict.fromkeys(("topk", "sort", "argsort", "scatter", "scatter_add", "scatter_reduce", "gather", "_grouped_mm",
                      "index_add", "bincount", "histc"), "moe"),
-    **dict.fromkeys(("embedding", "index_select"), "other"),
     **dict.fromkeys(("argmax", "argmin", "multinomial", "exponential", "uniform", "bernoulli"), "sampling"),
     **dict.fromkeys(("neg", "pow", "rsqrt", "sqrt", "exp", "log", "div", "sub", "where", "fill", "zero", "eq", "ne",
                      "lt", "le", "gt", "ge", "cos", "sin", "arange", "masked_fill", "bitwise_and", "bitwise_or",
@@ -140,6 +139,16 @@ def class_of_op(name: str) -> str:
     if base is not None:
         return _ATEN.get(base, "other")
     return class_of_kernel(name)
+
+
+# Top-level ops whose inner ops misname them: an embedding lookup runs aten::gather (an MoE class) underneath.
+_DECIDED_BY_TOP = {"embedding": "other", "index_select": "other"}
+
+
+@lru_cache(maxsize=None)
+def class_of_top_op(name: str) -> str | None:
+    """The class a top-level op imposes on every kernel under it, or None where the innermost op decides."""
+    return _DECIDED_BY_TOP.get(_aten_base(name) or "")
 
 
 @lru_cache(maxsize=None)

@@ -30,14 +30,27 @@ def capture(model: torch.nn.Module, batch: int, prompt_len: int, max_len: int, m
         for _ in range(WARMUP_STEPS):
             engine.step()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with annotated(model, engine) if mode == "eager" else contextlib.nullcontext(), profile(activities=activities) as prof:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # One profiler warm-up step first: the tracer's own set-up (CUPTI instrumenting a graph on its first launch)
+        # lands there, not in the first reported step.
+        schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
+        _synchronize(device)
+        with annotated(model, engine) if mode == "eager" else contextlib.nullcontext(), \
+                profile(activities=activities, schedule=schedule,
+                        on_trace_ready=lambda prof: prof.export_chrome_trace(str(path))) as prof:
+            engine.step()
+            prof.step()
             for n in range(steps):
                 with range_(f"optiq/step/{n}"):
                     engine.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+                if n == steps - 1:
+                    _synchronize(device)  # the tracer stops at this prof.step(): let the last kernels finish
+                prof.step()
     finally:
         engine.release()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(path))
     return path
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from optiq.errors import OptiqError
-from optiq.op_classes import UNATTRIBUTED, class_of_kernel, class_of_op
+from optiq.op_classes import UNATTRIBUTED, class_of_kernel, class_of_op, class_of_top_op
 
 try:
     _ijson = ijson.get_backend("yajl2_c")
@@ -382,7 +382,9 @@ def _gpu_table(scan: _Scan, steps: pd.DataFrame, names: list[str]) -> pd.DataFra
     name_code = g.numpy("name")
     by_name = _classes(name_code, names, class_of_kernel)
     by_op = _classes(op_code, names, class_of_op)
+    by_top = _classes(top_code, names, class_of_top_op)  # None where the innermost op decides
     op_class = np.where(linked & (by_op != "other"), by_op, by_name)
+    op_class = np.where(linked & by_top.astype(bool), by_top, op_class)
     op_class[kind > 0] = "memcpy/memset"
     method = np.where(linked, "linkage", np.where(op_class != "other", "name", "none"))
     op_class[method == "none"] = UNATTRIBUTED

@@ -1,6 +1,7 @@
 """The streaming reader against independent json.load computations on real traces (H200 fixtures captured by
 tests/data/make_traces.py, CPU traces captured here) and against malformed input."""
 
+import bisect
 import gzip
 import json
 import math
@@ -182,10 +183,34 @@ def test_malformed_inputs_raise_one_line_errors(tmp_path):
         assert "\n" not in str(info.value)
 
 
+def _top_level_ops(events):
+    """Per thread, the cpu_ops no other op encloses, sorted by start: ([starts], [(ts, end, name)])."""
+    by_thread = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            by_thread[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    tops = {}
+    for thread, ops in by_thread.items():
+        ops.sort(key=lambda op: (op[0], -op[1]))
+        outer, reach = [], float("-inf")
+        for op in ops:
+            if op[0] >= reach:
+                outer.append(op)
+                reach = op[1]
+        tops[thread] = ([op[0] for op in outer], outer)
+    return tops
+
+
+def _top_op_at(tops, thread, ts):
+    starts, ops = tops.get(thread, ([], []))
+    i = bisect.bisect_right(starts, ts) - 1
+    return ops[i][2] if i >= 0 and ops[i][0] <= ts <= ops[i][1] else None
+
+
 def test_real_gpu_traces_in_traces_dir():
     """Traces captured on an H200 by `optiq profile` (traces/*.json.gz), when present: per-class totals equal an
     independent sum over the raw events, classified the same way."""
-    from optiq.op_classes import class_of_kernel, class_of_op
+    from optiq.op_classes import class_of_kernel, class_of_op, class_of_top_op
 
     paths = sorted((Path(__file__).parent.parent / "traces").glob("*.json.gz"))
     if not paths:
@@ -193,16 +218,20 @@ def test_real_gpu_traces_in_traces_dir():
     for path in paths:
         events = load(path)["traceEvents"]
         op_of = {e["args"].get("External id"): e["name"] for e in events if e.get("cat") == "cpu_op"}
-        launch_of = {e["args"].get("correlation"): e["name"] for e in events
-                     if e.get("cat") in ("cuda_runtime", "cuda_driver")}
+        launch_of = {e["args"].get("correlation"): e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")}
+        tops = _top_level_ops(events)
         expected = defaultdict(float)
         for e in events:
             if e.get("cat") not in GPU_CATS:
                 continue
             op = op_of.get(e["args"].get("External id"))
-            graph = launch_of.get(e["args"].get("correlation")) == "cudaGraphLaunch"
+            launch = launch_of.get(e["args"].get("correlation"))
+            graph = launch is not None and launch["name"] == "cudaGraphLaunch"
+            top = _top_op_at(tops, (launch["pid"], launch["tid"]), launch["ts"]) if launch and op else None
             if e["cat"] != "kernel":
                 cls = "memcpy/memset"
+            elif op is not None and not graph and top is not None and class_of_top_op(top):
+                cls = class_of_top_op(top)
             elif op is not None and not graph and class_of_op(op) != "other":
                 cls = class_of_op(op)
             else:
