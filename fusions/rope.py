@@ -1,0 +1,254 @@
+"""Rotary embedding of q and k in one launch, in place, HF's half-split layout.
+
+Eager HF runs `q * cos + rotate_half(q) * sin` (and the same for k) as about ten small kernels per layer, each
+re-reading its input; at decode these are pure launch overhead. This fusion does it in one launch, with two options
+folded into the same kernel:
+
+- Qwen3's per-head RMSNorm (`q_norm`, `k_norm` over head_dim) applied before the rotation;
+- writing the rotated k and the v straight into a static KV cache at per-sequence positions (what HF's
+  `StaticCache.update` does with two `index_copy_` calls).
+
+Every intermediate is rounded to the model dtype exactly where HF's eager code rounds it, so on the GPU the result
+matches HF bit for bit when there is no norm (the norm's fp32 sum order may differ by one rounding).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """Round an fp32 value to the model dtype and back: where HF's eager ops store a model-dtype tensor."""
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rotate_head(x_ptr, stride_d, w_ptr, cos1, cos2, sin1, sin2, eps, offs, mask,
+                 HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+    """Norm (optionally) and rotate one head vector in place; return its rotated halves (fp32, model-dtype values)."""
+    half: tl.constexpr = HEAD_DIM // 2
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    x1 = tl.load(x_ptr + offs * stride_d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + (offs + half) * stride_d, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
+        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
+        x1 = _round(w1 * _round(x1 * rstd, dtype), dtype)
+        x2 = _round(w2 * _round(x2 * rstd, dtype), dtype)
+    out1 = _round(x1 * cos1, dtype) - _round(x2 * sin1, dtype)
+    out2 = _round(x2 * cos2, dtype) + _round(x1 * sin2, dtype)
+    tl.store(x_ptr + offs * stride_d, out1.to(dtype), mask=mask)
+    tl.store(x_ptr + (offs + half) * stride_d, out2.to(dtype), mask=mask)
+    return out1, out2
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, positions_ptr,
+    seq_len, num_q_heads, cache_len, eps,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_cb, stride_cs, stride_cd,
+    stride_sb, stride_ss, stride_sd,
+    stride_kcb, stride_kch, stride_kcl, stride_kcd,
+    stride_vcb, stride_vch, stride_vcl, stride_vcd,
+    HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, QK_NORM: tl.constexpr, WRITE_CACHE: tl.constexpr,
+):
+    """One program per (token, head): heads [0, num_q_heads) are q's, the rest k's."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    b = (token // seq_len).to(tl.int64)
+    s = token % seq_len
+    half: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, HALF_BLOCK)
+    mask = offs < half
+
+    cos_row = cos_ptr + b * stride_cb + s * stride_cs
+    sin_row = sin_ptr + b * stride_sb + s * stride_ss
+    cos1 = tl.load(cos_row + offs * stride_cd, mask=mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_row + (offs + half) * stride_cd, mask=mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_row + offs * stride_sd, mask=mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_row + (offs + half) * stride_sd, mask=mask, other=0.0).to(tl.float32)
+
+    if head < num_q_heads:
+        q_head = q_ptr + b * stride_qb + head * stride_qh + s * stride_qs
+        _rotate_head(q_head, stride_qd, q_norm_ptr, cos1, cos2, sin1, sin2, eps, offs, mask, HEAD_DIM, QK_NORM)
+    else:
+        kv_head = head - num_q_heads
+        k_head = k_ptr + b * stride_kb + kv_head * stride_kh + s * stride_ks
+        k1, k2 = _rotate_head(k_head, stride_kd, k_norm_ptr, cos1, cos2, sin1, sin2, eps, offs, mask,
+                              HEAD_DIM, QK_NORM)
+        if WRITE_CACHE:
+            pos = tl.load(positions_ptr + b) + s
+            # Memory safety only: a position past the cache is dropped (checking it would need a host sync).
+            cache_mask = mask & (tl.full((HALF_BLOCK,), pos, tl.int64) < cache_len)
+            kc = k_cache_ptr + b * stride_kcb + kv_head * stride_kch + pos * stride_kcl
+            tl.store(kc + offs * stride_kcd, k1.to(k_cache_ptr.dtype.element_ty), mask=cache_mask)
+            tl.store(kc + (offs + half) * stride_kcd, k2.to(k_cache_ptr.dtype.element_ty), mask=cache_mask)
+            v_head = v_ptr + b * stride_vb + kv_head * stride_vh + s * stride_vs
+            vc = v_cache_ptr + b * stride_vcb + kv_head * stride_vch + pos * stride_vcl
+            v1 = tl.load(v_head + offs * stride_vd, mask=mask)
+            v2 = tl.load(v_head + (offs + half) * stride_vd, mask=mask)
+            tl.store(vc + offs * stride_vcd, v1.to(v_cache_ptr.dtype.element_ty), mask=cache_mask)
+            tl.store(vc + (offs + half) * stride_vcd, v2.to(v_cache_ptr.dtype.element_ty), mask=cache_mask)
+
+
+@torch.library.triton_op("optiq::rope", mutates_args={"q", "k", "k_cache", "v_cache"})
+def _rope_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> None:
+    batch, num_q_heads, seq_len, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    qk_norm = q_norm_weight is not None
+    write_cache = k_cache is not None
+    # Absent optional tensors are replaced by q: the kernel never touches them (the constexpr flags are off).
+    q_norm_weight = q_norm_weight.contiguous() if qk_norm else q
+    k_norm_weight = k_norm_weight.contiguous() if qk_norm else q
+    v, k_cache, v_cache, positions = (v, k_cache, v_cache, positions.contiguous()) if write_cache else (q, q, q, q)
+    cos = cos.expand(batch, seq_len, head_dim)  # HF may hand one row of cos/sin for the whole batch
+    sin = sin.expand(batch, seq_len, head_dim)
+    grid = (batch * seq_len, num_q_heads + num_kv_heads)
+    torch.library.wrap_triton(_rope_kernel)[grid](
+        q, k, v, cos, sin, q_norm_weight, k_norm_weight, k_cache, v_cache, positions,
+        seq_len, num_q_heads, k_cache.shape[2], eps,
+        *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *k_cache.stride(), *v_cache.stride(),
+        HEAD_DIM=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm,
+        WRITE_CACHE=write_cache, num_warps=1,
+    )
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [B, Hq, S, D] and k [B, Hkv, S, D] in place (any strides) and return them.
+
+    cos, sin: [B or 1, S, D] as HF's rotary module makes them. With q_norm_weight and k_norm_weight ([D]), Qwen3's
+    per-head RMSNorm with `eps` runs first. With k_cache, v_cache [B, Hkv, L, D], positions [B] (int64, the cache
+    slot of each sequence's first token) and v [B, Hkv, S, D], token s of sequence b also lands in the cache at slot
+    positions[b] + s.
+    """
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
+    if len({x is None for x in (v, k_cache, v_cache, positions)}) != 1:
+        raise ValueError("give all of v, k_cache, v_cache and positions, or none")
+    torch.ops.optiq.rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions)
+    return q, k
+
+
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Qwen3RMSNorm: fp32 (or the input's float64) statistics, cast back, then the weight in the model dtype."""
+    x_wide = x if x.dtype == torch.float64 else x.to(torch.float32)
+    normed = x_wide * torch.rsqrt(x_wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps):
+    """HF's attention forward from the projections to the rotated q, k (apply_rotary_pos_emb, unsqueeze_dim=1)."""
+    if q_norm_weight is not None:
+        q, k = _rms_norm_reference(q, q_norm_weight, eps), _rms_norm_reference(k, k_norm_weight, eps)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+
+
+def rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Out of place: (q, k) or, with a cache, (q, k, k_cache, v_cache) as new tensors."""
+    q_out, k_out = _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
+    if k_cache is None:
+        return q_out, k_out
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    for b in range(q.shape[0]):
+        slots = positions[b] + torch.arange(q.shape[2], device=positions.device)
+        kept = slots < k_cache.shape[2]  # as the kernel: tokens past the end of the cache are dropped
+        k_cache[b].index_copy_(1, slots[kept], k_out[b][:, kept])
+        v_cache[b].index_copy_(1, slots[kept], v[b][:, kept])
+    return q_out, k_out, k_cache, v_cache
+
+
+def benchmark_case(rows: int, dtype: torch.dtype, device, *, qk_norm: bool = False, static_cache: bool = True,
+                   cache_len: int = 1024) -> dict:
+    """Decode step (S = 1) of one llama-3.1-8b attention layer: rows sequences, 32 q / 8 kv heads of 128.
+
+    By default includes the static-cache write, as the CUDA-graph decode path runs it; qk_norm=True adds Qwen3's norm.
+    """
+    heads_q, heads_kv, head_dim, eps = 32, 8, 128, 1e-6
+    gen = torch.Generator(device=device).manual_seed(rows)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    def per_head(projection, heads):  # as HF lays q, k, v out: the [B, S, H*D] projection viewed per head, transposed
+        return projection.view(rows, 1, heads, head_dim).transpose(1, 2)
+
+    projections = [randn(rows, 1, heads * head_dim) for heads in (heads_q, heads_kv, heads_kv)]
+    q, k, v = (per_head(p, heads) for p, heads in zip(projections, (heads_q, heads_kv, heads_kv)))
+    # The fused op works in place, so it gets its own q, k and caches: its first call sees the eager one's inputs.
+    q_fused, k_fused = (per_head(p.clone(), heads) for p, heads in zip(projections, (heads_q, heads_kv)))
+    angles = torch.rand(rows, 1, head_dim // 2, generator=gen, device=device) * 100
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    norms = (1 + 0.1 * randn(head_dim), 1 + 0.1 * randn(head_dim)) if qk_norm else (None, None)
+    caches = [randn(rows, heads_kv, cache_len, head_dim) for _ in range(2)]
+    fused_cache = {}
+    if static_cache:
+        fused_cache = dict(v=v, k_cache=caches[0].clone(), v_cache=caches[1].clone(),
+                           positions=torch.full((rows,), cache_len // 2, dtype=torch.int64, device=device))
+    cache_position = torch.tensor([cache_len // 2], device=device)
+
+    def eager():
+        q_embed, k_embed = _rope_eager(q, k, cos, sin, *norms, eps)
+        if static_cache:  # HF's StaticCache.update
+            caches[0].index_copy_(2, cache_position, k_embed)
+            caches[1].index_copy_(2, cache_position, v)
+        return q_embed, k_embed
+
+    def fused():
+        return rope(q_fused, k_fused, cos, sin, *norms, eps, **fused_cache)
+
+    qk_elems = rows * (heads_q + heads_kv) * head_dim
+    kv_elems = rows * heads_kv * head_dim
+    elems = 2 * qk_elems + 2 * rows * head_dim  # q, k read and written; cos, sin read
+    elems += 2 * head_dim if qk_norm else 0
+    elems += 3 * kv_elems if static_cache else 0  # v read; one k and one v cache row written
+    moved = elems * dtype.itemsize + (rows * 8 if static_cache else 0)
+    flops = 3 * qk_elems + (5 * qk_elems if qk_norm else 0)  # rope: 2 mul + 1 add; norm: square, sum, scale, weight
+    return {"fused": fused, "eager": eager, "bytes": moved, "flops": flops}

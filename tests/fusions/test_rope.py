@@ -1,0 +1,208 @@
+"""rope against a float64 reference in HF's order: plain, Qwen3 qk-norm, static-cache write, strided views, masks.
+
+CPU cases run the kernel under the Triton interpreter at small shapes; CUDA cases use the presets' shapes.
+"""
+
+import pytest
+import torch
+
+from fusions.rope import benchmark_case, rope, rope_reference
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+# The interpreter rounds to bf16 by truncation, and rope rounds to the model dtype several times, as HF does.
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+EPS = 1e-6
+SPARE = 3  # extra columns after the heads in the projection output, which the kernel must leave alone
+
+
+class Case:
+    """Random inputs laid out as HF's attention forward has them: q, k, v are transposed views of projection outputs."""
+
+    def __init__(self, seed, batch, heads_q, heads_kv, seq, head_dim, dtype, device, *, qk_norm=False,
+                 positions=None, cache_len=None, cos_batch=None):
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.dtype, self.device = dtype, device
+        self.projections = [self.randn(batch, seq, heads * head_dim + SPARE) for heads in (heads_q, heads_kv)]
+        self.q, self.k = (p[..., :-SPARE].view(batch, seq, -1, head_dim).transpose(1, 2) for p in self.projections)
+        angles = torch.rand(cos_batch or batch, seq, head_dim // 2, generator=self.generator, device=device) * 50
+        angles = torch.cat((angles, angles), dim=-1)
+        self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        self.norms = (1 + 0.5 * self.randn(head_dim), 1 + 0.5 * self.randn(head_dim)) if qk_norm else (None, None)
+        self.cache = {}
+        if positions is not None:
+            self.cache = dict(
+                v=self.randn(batch, seq, heads_kv * head_dim).view(batch, seq, heads_kv, head_dim).transpose(1, 2),
+                k_cache=self.randn(batch, heads_kv, cache_len, head_dim),
+                v_cache=self.randn(batch, heads_kv, cache_len, head_dim),
+                positions=torch.tensor(positions, device=device),
+            )
+
+    def randn(self, *shape):
+        return torch.randn(*shape, generator=self.generator, device=self.device).to(self.dtype)
+
+    def reference(self, cos=None, sin=None, eps=EPS):
+        """rope_reference in float64 on the same inputs; cos, sin and eps can be overridden to get a wrong answer."""
+        wide = lambda t: None if t is None else t.double()  # noqa: E731
+        cache = {name: t if name == "positions" else wide(t) for name, t in self.cache.items()}
+        return rope_reference(wide(self.q), wide(self.k), wide(self.cos if cos is None else cos),
+                              wide(self.sin if sin is None else sin), *map(wide, self.norms), eps, **cache)
+
+    def run(self):
+        """Poison the cache slots the op must write, run it, and return its results as the reference orders them."""
+        if self.cache:
+            seq, cache_len = self.q.shape[2], self.cache["k_cache"].shape[2]
+            for b, start in enumerate(self.cache["positions"].tolist()):
+                for cache in (self.cache["k_cache"], self.cache["v_cache"]):
+                    cache[b, :, start:min(start + seq, cache_len)] = float("nan")
+        spare_before = [p[..., -SPARE:].clone() for p in self.projections]
+        q, k = rope(self.q, self.k, self.cos, self.sin, *self.norms, EPS, **self.cache)
+        assert q is self.q and k is self.k, "rope works in place and returns its q and k"
+        for p, before in zip(self.projections, spare_before):
+            assert torch.equal(p[..., -SPARE:], before), "wrote outside the q/k views"
+        results = (q, k) + ((self.cache["k_cache"], self.cache["v_cache"]) if self.cache else ())
+        for t in results:
+            assert torch.isfinite(t).all(), "an element the op should write was left unwritten"
+        return results
+
+
+def assert_matches(results, expected, dtype):
+    tol = TOLERANCES[dtype]
+    for got, want in zip(results, expected, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_variants_cpu(qk_norm, with_cache):
+    """Prefill-shaped (S = 2): per-sequence cache positions, cos/sin for the whole batch or one row for all."""
+    case = Case(seed=10 + 2 * qk_norm + with_cache, batch=3, heads_q=4, heads_kv=2, seq=2, head_dim=16,
+                dtype=torch.float32, device="cpu", qk_norm=qk_norm, positions=[0, 5, 3] if with_cache else None,
+                cache_len=7, cos_batch=1 if with_cache else None)
+    expected = case.reference()
+    assert_matches(case.run(), expected, torch.float32)
+
+
+def test_odd_head_dim_decode_cpu():
+    """head_dim 20: each half (10) pads to a 16-wide block, so every load and store is masked."""
+    case = Case(seed=20, batch=2, heads_q=6, heads_kv=3, seq=1, head_dim=20, dtype=torch.float32, device="cpu",
+                qk_norm=True, positions=[4, 0], cache_len=5)
+    expected = case.reference()
+    assert_matches(case.run(), expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_dtypes_cpu(dtype):
+    case = Case(seed=30 if dtype == torch.bfloat16 else 31, batch=2, heads_q=4, heads_kv=2, seq=1, head_dim=16,
+                dtype=dtype, device="cpu", qk_norm=True, positions=[2, 6], cache_len=8)
+    expected = case.reference()
+    assert_matches(case.run(), expected, dtype)
+
+
+def test_positions_past_the_cache_are_dropped_cpu():
+    """The cache is a view with slack after its last slot: tokens past the end must not land in the slack."""
+    case = Case(seed=40, batch=2, heads_q=2, heads_kv=1, seq=3, head_dim=8, dtype=torch.float32, device="cpu",
+                positions=[4, 1], cache_len=6)
+    slack = {name: torch.cat((case.cache[name], torch.full((2, 1, 4, 8), 7.0)), dim=2)
+             for name in ("k_cache", "v_cache")}
+    for name, buffer in slack.items():
+        case.cache[name] = buffer[:, :, :6]
+    expected = case.reference()
+    assert_matches(case.run(), expected, torch.float32)
+    for buffer in slack.values():
+        assert (buffer[:, :, 6:] == 7.0).all()
+
+
+def test_wrong_inputs_fail_cpu():
+    """The comparison can fail: cos and sin swapped, the rotation reversed, or another eps all give other answers."""
+    case = Case(seed=50, batch=2, heads_q=2, heads_kv=1, seq=1, head_dim=16, dtype=torch.float32, device="cpu",
+                qk_norm=True)
+    wrong = [case.reference(cos=case.sin, sin=case.cos), case.reference(sin=-case.sin), case.reference(eps=0.1)]
+    results = case.run()
+    for expected in wrong:
+        with pytest.raises(AssertionError):
+            assert_matches(results, expected, torch.float32)
+
+
+def test_argument_checks():
+    case = Case(seed=60, batch=1, heads_q=2, heads_kv=1, seq=1, head_dim=8, dtype=torch.float32, device="cpu",
+                qk_norm=True, positions=[0], cache_len=2)
+    with pytest.raises(ValueError, match="q_norm_weight"):
+        rope(case.q, case.k, case.cos, case.sin, case.norms[0])
+    with pytest.raises(ValueError, match="k_cache"):
+        rope(case.q, case.k, case.cos, case.sin, k_cache=case.cache["k_cache"])
+
+
+def test_custom_op_registration():
+    """Declared mutations match what the kernel writes. The interpreter cannot run under fake tensors (torch's
+    wrap_triton launches an interpreted kernel directly), so the fake-tensor and AOT checks run on CUDA only."""
+    device = "cuda" if CUDA else "cpu"
+    case = Case(seed=70, batch=2, heads_q=4, heads_kv=2, seq=1, head_dim=16, dtype=torch.float32, device=device,
+                qk_norm=True, positions=[1, 3], cache_len=4)
+    args = (case.q, case.k, case.cos, case.sin, *case.norms, EPS, *case.cache.values())
+    checks = {} if CUDA else {"test_utils": ("test_schema", "test_autograd_registration")}
+    torch.library.opcheck(torch.ops.optiq.rope.default, args, **checks)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_benchmark_case_cpu(qk_norm):
+    """Called as the harness calls them, fused first, the benchmark's two callables agree (the fused op works in
+    place on its own copies of the inputs)."""
+    case = benchmark_case(1, torch.float32, "cpu", qk_norm=qk_norm, cache_len=4)
+    for got, want in zip(case["fused"](), case["eager"](), strict=True):
+        torch.testing.assert_close(got, want)
+    assert case["bytes"] > 0 and case["flops"] > 0
+
+
+PRESETS = {  # name: (q heads, kv heads, head_dim, qk_norm)
+    "qwen3-0.6b": (16, 8, 128, True),
+    "llama-3.2-1b": (32, 8, 64, False),
+    "llama-3.1-8b": (32, 8, 128, False),
+    "qwen3-30b-a3b": (32, 4, 128, True),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("batch, seq", [(1, 1), (64, 1), (4, 17)])
+def test_presets_cuda(preset, batch, seq):
+    heads_q, heads_kv, head_dim, qk_norm = PRESETS[preset]
+    case = Case(seed=batch * 100 + seq, batch=batch, heads_q=heads_q, heads_kv=heads_kv, seq=seq, head_dim=head_dim,
+                dtype=torch.bfloat16, device="cuda", qk_norm=qk_norm,
+                positions=[(37 * b) % (1024 - seq) for b in range(batch)], cache_len=1024)
+    expected = case.reference()
+    assert_matches(case.run(), expected, torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bitwise_equal_to_hf_eager_cuda(dtype):
+    """Without the norm, every rounding is where HF's eager ops round, so the results are identical."""
+    case = Case(seed=80, batch=8, heads_q=32, heads_kv=8, seq=1, head_dim=128, dtype=dtype, device="cuda",
+                positions=list(range(8)), cache_len=16)
+    expected = rope_reference(case.q, case.k, case.cos, case.sin, **case.cache)
+    for got, want in zip(case.run(), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+@needs_cuda
+def test_cuda_graph_replay_cuda():
+    """No host sync: the op captures into a CUDA graph and, replayed, follows new positions and inputs."""
+    case = Case(seed=90, batch=4, heads_q=32, heads_kv=8, seq=1, head_dim=128, dtype=torch.bfloat16, device="cuda",
+                qk_norm=True, positions=[0, 1, 2, 3], cache_len=64)
+    originals = (case.q.clone(), case.k.clone())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        rope(case.q, case.k, case.cos, case.sin, *case.norms, EPS, **case.cache)  # warm-up: compile outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rope(case.q, case.k, case.cos, case.sin, *case.norms, EPS, **case.cache)
+    case.q.copy_(originals[0])
+    case.k.copy_(originals[1])
+    case.cache["positions"].copy_(torch.tensor([9, 40, 63, 5]))
+    expected = case.reference()
+    graph.replay()
+    results = (case.q, case.k, case.cache["k_cache"], case.cache["v_cache"])
+    assert_matches(results, expected, torch.bfloat16)
