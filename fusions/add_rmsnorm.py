@@ -1,0 +1,67 @@
+"""Residual add then RMSNorm in one pass: reads x and residual once, writes the new residual and the normed rows.
+
+Replaces HF's `hidden_states = residual + hidden_states` (rounded to the model dtype) followed by the next
+RMSNorm of that sum. The row kernel is rmsnorm's, with its HAS_RESIDUAL branch on, so both fusions share
+one set of rounding rules.
+"""
+
+import torch
+from torch.library import triton_op
+
+from fusions.rmsnorm import launch_rmsnorm, rmsnorm_reference
+
+
+@triton_op("optiq::add_rmsnorm", mutates_args=("normed", "new_residual"))
+def _add_rmsnorm_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: bool,
+    normed: torch.Tensor,
+    new_residual: torch.Tensor,
+) -> None:
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
+    launch_rmsnorm(x, residual, weight, eps, offset, normed, new_residual)
+
+
+def add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: bool = False,
+    normed: torch.Tensor | None = None,
+    new_residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (rmsnorm(x + residual), x + residual), both in x's dtype; outputs are new tensors unless given."""
+    if normed is None:
+        normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if new_residual is None:
+        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.ops.optiq.add_rmsnorm(x, residual, weight, eps, offset, normed, new_residual)
+    return normed, new_residual
+
+
+def add_rmsnorm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager sequence: add in the model dtype, then HF's RMSNorm of the sum."""
+    new_residual = residual + x
+    return rmsnorm_reference(new_residual, weight, eps, offset), new_residual
+
+
+def benchmark_case(rows: int, dtype: torch.dtype, device) -> dict:
+    """llama-3.1-8b: hidden 4096, weight in the model dtype as HF loads it."""
+    hidden, eps = 4096, 1e-5
+    x = torch.randn(rows, hidden, dtype=dtype, device=device)
+    residual = torch.randn(rows, hidden, dtype=dtype, device=device)
+    weight = 1.0 + 0.1 * torch.randn(hidden, dtype=dtype, device=device)
+    element = x.element_size()
+    return {
+        "fused": lambda: add_rmsnorm(x, residual, weight, eps),
+        "eager": lambda: add_rmsnorm_reference(x, residual, weight, eps),
+        "bytes": 4 * rows * hidden * element + hidden * weight.element_size(),  # read x, residual; write both
+        "flops": 5 * rows * hidden,  # add, square, sum, scale by 1/rms, scale by weight
+    }

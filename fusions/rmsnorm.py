@@ -1,0 +1,130 @@
+"""RMSNorm over the last dim in one pass: one program per row, the whole row held in registers.
+
+Semantics follow Hugging Face exactly, including where it rounds:
+- Llama/Qwen (offset=False): normalise in fp32, round to the input dtype, then multiply by the weight
+  (LlamaRMSNorm: ``weight * x_normed.to(input_dtype)``).
+- Gemma (offset=True): normalise in fp32, multiply by (1 + weight) in fp32, round once
+  (Gemma3RMSNorm: ``(x_normed * (1.0 + weight.float())).type_as(x)``).
+The output is in x's dtype. The kernel also serves add_rmsnorm (HAS_RESIDUAL), so the two cannot drift apart.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+LARGEST_HIDDEN = 65536  # a row must fit in one program's registers
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr,
+    x_row_stride,
+    residual_ptr,
+    residual_row_stride,
+    weight_ptr,
+    out_ptr,
+    out_row_stride,
+    new_residual_ptr,
+    new_residual_row_stride,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    OFFSET: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0)
+        # Round the sum to the model dtype, as the eager `residual + hidden_states` does, and normalise that.
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(new_residual_ptr.dtype.element_ty)
+        tl.store(new_residual_ptr + row * new_residual_row_stride + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    normed = x * inv_rms
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        y = normed * (1.0 + weight)
+    else:
+        y = normed.to(x_ptr.dtype.element_ty).to(tl.float32) * weight
+    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """View t as [rows, last dim] with unit column stride (copies only if t's layout does not allow a view)."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def launch_rmsnorm(x, residual, weight, eps, offset, out, new_residual):
+    """Launch the row kernel; residual/new_residual are None for plain RMSNorm. Called from inside a triton_op."""
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {hidden}")
+    if hidden > LARGEST_HIDDEN:
+        raise ValueError(f"hidden size {hidden} exceeds {LARGEST_HIDDEN}, the largest row one program holds")
+    x_rows = as_rows(x)
+    out_rows = out.view(-1, hidden)  # view, never a copy: the kernel must write into `out` itself
+    residual_rows = as_rows(residual) if residual is not None else None
+    new_residual_rows = new_residual.view(-1, hidden) if new_residual is not None else None
+    block = triton.next_power_of_2(hidden)
+    # 16 to 32 bytes per thread: wide vector loads, no register pressure at hidden 4096.
+    num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    wrap_triton(_rmsnorm_kernel)[(x_rows.shape[0],)](
+        x_rows,
+        x_rows.stride(0),
+        residual_rows,
+        residual_rows.stride(0) if residual is not None else 0,
+        weight,
+        out_rows,
+        out_rows.stride(0),
+        new_residual_rows,
+        new_residual_rows.stride(0) if new_residual is not None else 0,
+        hidden,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        OFFSET=offset,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+
+
+@triton_op("optiq::rmsnorm", mutates_args=("out",))
+def _rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool, out: torch.Tensor) -> None:
+    launch_rmsnorm(x, None, weight, eps, offset, out, None)
+
+
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of x [..., H] by weight [H] (by 1 + weight when offset, Gemma style); returns out (new if None)."""
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.ops.optiq.rmsnorm(x, weight, eps, offset, out)
+    return out
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """HF's op sequence: accumulate in fp32 (or float64 when x is float64), round where HF rounds."""
+    acc = x.to(torch.promote_types(x.dtype, torch.float32))
+    normed = acc * torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (normed * (1.0 + weight.to(acc.dtype))).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+def benchmark_case(rows: int, dtype: torch.dtype, device) -> dict:
+    """llama-3.1-8b: hidden 4096, weight in the model dtype as HF loads it."""
+    hidden, eps = 4096, 1e-5
+    x = torch.randn(rows, hidden, dtype=dtype, device=device)
+    weight = 1.0 + 0.1 * torch.randn(hidden, dtype=dtype, device=device)
+    element = x.element_size()
+    return {
+        "fused": lambda: rmsnorm(x, weight, eps),
+        "eager": lambda: rmsnorm_reference(x, weight, eps),
+        "bytes": 2 * rows * hidden * element + hidden * weight.element_size(),
+        "flops": 4 * rows * hidden,  # square, sum, scale by 1/rms, scale by weight
+    }

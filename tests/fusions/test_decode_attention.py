@@ -1,0 +1,173 @@
+"""decode_attention against a float64 reference: per-sequence lengths, GQA group sizes, head dims, KV splits.
+
+Small cases run on the CPU under the Triton interpreter (or on the GPU when there is one); CUDA-only cases use
+the presets' shapes.
+"""
+
+import pytest
+import torch
+
+from fusions.decode_attention import benchmark_case, decode_attention, decode_attention_reference
+
+CUDA = torch.cuda.is_available()
+# small cases run on the GPU when there is one (Triton compiles only for it), else under the interpreter
+DEVICE = "cuda" if CUDA else "cpu"
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Make every torch.empty inside the op (output and split workspace) start as NaN, so unwritten
+    elements, or workspace read before it is written, show up as NaN in the result."""
+    plain_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        tensor = plain_empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def make_inputs(seed, batch, num_q_heads, num_kv_heads, head_dim, max_len, lengths, dtype, device):
+    """Random q (as HF's transposed view of [B, 1, Hq, D]), caches and lengths; never zeros."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, 1, num_q_heads, head_dim, generator=generator, device=device, dtype=dtype).transpose(1, 2)
+    cache_shape = (batch, num_kv_heads, max_len, head_dim)
+    k_cache = torch.randn(cache_shape, generator=generator, device=device, dtype=dtype)
+    v_cache = torch.randn(cache_shape, generator=generator, device=device, dtype=dtype)
+    return q, k_cache, v_cache, torch.tensor(lengths, device=device)
+
+
+def reference(q, k_cache, v_cache, lengths, scale):
+    return decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), lengths, scale)
+
+
+def check(seed, batch, num_q_heads, num_kv_heads, head_dim, max_len, lengths, dtype, device, num_splits=None):
+    q, k_cache, v_cache, lengths = make_inputs(seed, batch, num_q_heads, num_kv_heads, head_dim, max_len,
+                                               lengths, dtype, device)
+    scale = head_dim ** -0.5
+    out = decode_attention(q, k_cache, v_cache, lengths, scale, num_splits)
+    assert out.shape == (batch, 1, num_q_heads, head_dim) and out.dtype == dtype
+    assert torch.isfinite(out).all(), "an output element was left unwritten"
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, lengths, scale), rtol=tol, atol=tol)
+    return q, k_cache, v_cache, lengths, out
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("group_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_group_sizes_and_head_dims(group_size, head_dim):
+    check(seed=10 * group_size + head_dim, batch=4, num_q_heads=2 * group_size, num_kv_heads=2,
+          head_dim=head_dim, max_len=45, lengths=[1, 7, 45, 29], dtype=torch.float32, device=DEVICE)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 3, 1000])
+def test_split_counts(num_splits):
+    """Several blocks per split, splits that start past a short sequence, and more splits than blocks."""
+    check(seed=100 + (num_splits or 0), batch=3, num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=150,
+          lengths=[1, 150, 83], dtype=torch.float32, device=DEVICE, num_splits=num_splits)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_dtypes(dtype):
+    check(seed=7 if dtype == torch.bfloat16 else 8, batch=3, num_q_heads=8, num_kv_heads=2, head_dim=32,
+          max_len=40, lengths=[40, 5, 17], dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+def test_odd_head_dim_and_int32_lengths():
+    """head_dim 24 pads to a 32-wide tile (masked columns); lengths arrive as int32 as well as int64."""
+    q, k_cache, v_cache, lengths = make_inputs(21, 3, 6, 3, 24, 33, [33, 1, 12], torch.float32, DEVICE)
+    out = decode_attention(q, k_cache, v_cache, lengths.int(), 0.3)
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, lengths, 0.3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+def test_idle_slot_of_length_zero_gives_zeros():
+    _, _, _, _, out = check(seed=27, batch=3, num_q_heads=4, num_kv_heads=1, head_dim=16, max_len=20,
+                            lengths=[20, 0, 3], dtype=torch.float32, device=DEVICE, num_splits=2)
+    assert (out[1] == 0).all()
+
+
+def poison_beyond_lengths(cache, lengths):
+    """Fill every position at or past each sequence's length with NaN and huge values."""
+    poisoned = cache.clone()
+    for b, length in enumerate(lengths.tolist()):
+        poisoned[b, :, length:] = float("nan")
+        poisoned[b, :, length::2] = 1e30
+    return poisoned
+
+
+def test_positions_beyond_length_are_ignored():
+    """No program may read (let alone weigh) cache positions past a sequence's length."""
+    q, k_cache, v_cache, lengths = make_inputs(31, 4, 8, 2, 32, 70, [1, 70, 9, 64], torch.float32, DEVICE)
+    out = decode_attention(q, poison_beyond_lengths(k_cache, lengths), poison_beyond_lengths(v_cache, lengths),
+                           lengths, 0.2, num_splits=3)
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, lengths, 0.2), rtol=1e-5, atol=1e-5)
+
+
+def test_wrong_length_or_scale_fails_the_comparison():
+    """The comparison can fail: one position fewer, or another scale, gives a different result."""
+    q, k_cache, v_cache, lengths, out = check(seed=41, batch=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                              max_len=20, lengths=[20, 6], dtype=torch.float32, device=DEVICE)
+    scale = 16 ** -0.5
+    for wrong in (reference(q, k_cache, v_cache, lengths - 1, scale), reference(q, k_cache, v_cache, lengths, 1.0)):
+        assert not torch.allclose(out.double(), wrong, rtol=1e-3, atol=1e-3)
+
+
+# (num_q_heads, num_kv_heads, head_dim) of qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, qwen3-30b-a3b, tiny presets
+PRESET_HEADS = [(16, 8, 128), (32, 8, 64), (32, 8, 128), (32, 4, 128), (4, 2, 16)]
+
+
+@needs_cuda
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("heads", PRESET_HEADS)
+@pytest.mark.parametrize("batch", [1, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_preset_shapes_cuda(heads, batch, dtype):
+    num_q_heads, num_kv_heads, head_dim = heads
+    max_len = 1024
+    generator = torch.Generator().manual_seed(batch + head_dim)
+    lengths = torch.randint(1, max_len + 1, (batch,), generator=generator)
+    lengths[0] = max_len
+    lengths[-1] = 1 if batch > 1 else max_len
+    check(seed=batch * head_dim + num_q_heads, batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+          head_dim=head_dim, max_len=max_len, lengths=lengths.tolist(), dtype=dtype, device="cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [1, 5, 16])
+def test_float32_cuda(num_splits):
+    """fp32 dots must run in full precision (not tf32) to meet the fp32 tolerance."""
+    check(seed=50 + num_splits, batch=5, num_q_heads=32, num_kv_heads=8, head_dim=128, max_len=700,
+          lengths=[700, 1, 7, 333, 512], dtype=torch.float32, device="cuda", num_splits=num_splits)
+
+
+@needs_cuda
+def test_cuda_graph_capture_and_compile():
+    """The op captures into a CUDA graph (no host sync) and traces under torch.compile(fullgraph=True)."""
+    q, k_cache, v_cache, lengths = make_inputs(61, 4, 32, 8, 128, 256, [256, 3, 100, 17], torch.bfloat16, "cuda")
+    expected = decode_attention(q, k_cache, v_cache, lengths, 0.1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = decode_attention(q, k_cache, v_cache, lengths, 0.1)
+    lengths.copy_(torch.tensor([5, 256, 1, 64]))
+    graph.replay()
+    torch.testing.assert_close(captured.double(), reference(q, k_cache, v_cache, lengths, 0.1), rtol=2e-2, atol=2e-2)
+    compiled = torch.compile(decode_attention, fullgraph=True)
+    lengths.copy_(torch.tensor([256, 3, 100, 17]))
+    # inductor passes the scale as a float64 constant: the last bf16 bit may differ
+    torch.testing.assert_close(compiled(q, k_cache, v_cache, lengths, 0.1), expected, rtol=1e-2, atol=1e-3)
+
+
+def test_benchmark_case_runs():
+    rows, dtype = (16, torch.bfloat16) if CUDA else (1, torch.float32)
+    case = benchmark_case(rows, dtype, DEVICE)
+    fused, eager = case["fused"](), case["eager"]()
+    assert fused.shape == eager.shape == (rows, 1, 32, 128)
+    torch.testing.assert_close(fused, eager, rtol=TOLERANCES[dtype], atol=TOLERANCES[dtype])
+    assert case["bytes"] > 2 * rows * 8 * 1024 * 128 * fused.element_size() and case["flops"] > 0
