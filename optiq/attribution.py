@@ -108,19 +108,23 @@ def step_stats(trace: Trace) -> pd.DataFrame:
     """Per step: wall time, GPU busy time (union of kernel intervals), summed kernel time, idle fraction
     (1 - busy / wall: the launch gaps), kernels, launches.
 
-    A step's wall time runs from when both the host has begun it and the GPU has finished the step before, to the
-    later of its host end and its last kernel's end. For CPU-bound eager steps that is the host's range; for steps the
+    A step's wall time runs from when both the host has begun it and the GPU has finished the work queued before it,
+    to the later of its host end and its last kernel's end. For CPU-bound eager steps that is the host's range; for steps the
     host only enqueues (graph replays run ahead of the GPU) it is the GPU's time on the step, queueing excluded."""
     kernels = trace.kernels[trace.kernels["step"] >= 0]
     by_step = dict(tuple(kernels.groupby("step")))
+    # When the GPU finished everything that started before a given time (in a step or not, e.g. warm-up work).
+    order = np.argsort(trace.kernels["ts"].to_numpy(), kind="stable")
+    all_ts = trace.kernels["ts"].to_numpy()[order]
+    done_by = np.maximum.accumulate((trace.kernels["ts"] + trace.kernels["dur"]).to_numpy()[order])
     rows = []
-    previous_end = float("-inf")
-    for step in trace.steps.sort_values("start").itertuples():
+    for step in trace.steps.itertuples():
         mine = by_step.get(step.step, kernels.iloc[:0])
         ts, dur = mine["ts"].to_numpy(), mine["dur"].to_numpy()
         end = max(step.end, float((ts + dur).max()) if len(ts) else step.end)
-        wall = end - max(step.start, previous_end)
-        previous_end = float((ts + dur).max()) if len(ts) else previous_end
+        before = np.searchsorted(all_ts, ts.min(), side="left") if len(ts) else 0
+        gpu_free = float(done_by[before - 1]) if before else float("-inf")
+        wall = end - max(step.start, gpu_free)
         busy = float(dur.sum()) if trace.cpu_only else _busy(ts, dur)
         rows.append({"rank": trace.rank, "step": step.step, "marker": step.name, "wall_us": wall, "busy_us": busy,
                      "kernel_us": float(dur.sum()), "idle_frac": 1 - busy / wall if wall > 0 else 0.0,

@@ -14,6 +14,7 @@ import torch
 import triton
 
 import fusions
+from optiq.roofline import copy_bandwidth
 
 ROWS = (1, 16, 64)
 
@@ -34,10 +35,7 @@ def _median_ms(fn) -> float:
 
 def main(out_path: str, *names: str) -> None:
     names = names or sorted(m.name for m in pkgutil.iter_modules(fusions.__path__))
-    src = torch.rand(2**29, device="cuda")
-    dst = torch.empty_like(src)
-    bandwidth = 2 * src.numel() * 4 / (_median_ms(lambda: dst.copy_(src)) * 1e-3)
-    del src, dst
+    bandwidth = copy_bandwidth(torch.device("cuda"))
     results = []
     print(f"copy roof {bandwidth / 1e9:,.0f} GB/s")
     print(f"{'fusion':18} {'rows':>4} {'fused us':>9} {'eager us':>9} {'compile us':>10} {'x eager':>8} "
