@@ -133,7 +133,7 @@ def step_stats(trace: Trace) -> pd.DataFrame:
                                        "kernels", "launches"])
 
 
-def _weighted(traces: list[Trace]) -> pd.DataFrame:
+def weighted_kernels(traces: list[Trace]) -> pd.DataFrame:
     """In-step kernels of all traces, each with weight 1 / (its trace's step count)."""
     parts = []
     for trace in traces:
@@ -191,7 +191,7 @@ def attribute(traces: list[Trace], by: str = "class", top: int = 3) -> Attributi
     """The attribution of one trace, or of several (one per rank) taken together."""
     if by not in GROUPINGS:
         raise ValueError(f"by must be one of {', '.join(GROUPINGS)}, not {by!r}")
-    frame = _weighted(traces)
+    frame = weighted_kernels(traces)
     steps = pd.concat([step_stats(t) for t in traces], ignore_index=True)
     time = frame["dur"] * frame["w"]
     total = time.sum()

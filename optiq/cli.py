@@ -15,7 +15,7 @@ from optiq.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, OptiqError
 COMMANDS = {
     "profile": ("profile", None, "Profile the decode step; attribute GPU time to op classes and module roles."),
     "analyze": ("analyze", None, "Attribute GPU time in traces captured anywhere (torch.profiler, vLLM, SGLang)."),
-    "recipes": (None, 4, "List the fusion recipe catalog."),
+    "recipes": ("recipes", None, "List the fusion recipe catalog (and `recipes show NAME`)."),
     "apply-fusion": (None, 5, "Patch the model with fusion recipes, validate, re-measure, report."),
     "bench": ("bench", None, "Decode throughput against concurrency, with the bandwidth floor."),
     "report": (None, 5, "Render or compare runs."),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import click
 
 from optiq.commands.common import err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode
+from optiq.commands.proposals_view import proposals_records, proposals_table
+from optiq.commands.recipes import recipes_dir_option
 from optiq.errors import EXIT_INTERRUPTED, OptiqError
 
 
@@ -20,25 +22,31 @@ from optiq.errors import EXIT_INTERRUPTED, OptiqError
 @click.option("--by", type=click.Choice(["class", "role", "kernel", "layer"]), default="class", show_default=True,
               help="Group GPU time by op class, module role, kernel or decoder layer.")
 @click.option("--top", default=3, show_default=True, type=click.IntRange(1), help="Top kernels / places per row.")
+@recipes_dir_option
 @click.option("--runs-dir", default="runs", show_default=True, help="Where the run directory is created.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
-def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, mode, by, top, runs_dir, as_json):
+def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, mode, by, top, recipes_dir, runs_dir,
+            as_json):
     """Run the decode step under torch.profiler at each concurrency and attribute its GPU time.
 
     \b
     Every decoder layer and module role is annotated (record_function in the trace, NVTX ranges for Nsight Systems
     when the nvtx package is installed). The run directory keeps each trace (.json.gz) and attribution (JSON, CSV).
+    Each concurrency ends with proposals: the catalog's recipes ranked by the GPU time they would replace.
     """
-    from optiq.attribution import align_graph_with_eager, attribute
+    from optiq.attribution import align_graph_with_eager, attribute, weighted_kernels
     from optiq.bench import Workload, free_memory
     from optiq.commands.analyze import document, render
     from optiq.commands.bench import environment
     from optiq.models import default_dtype, default_preset, load_model, resolve_dtype
     from optiq.profiling import capture
+    from optiq.proposals import propose
+    from optiq.recipes import load_catalog
     from optiq.rundir import RunDir, write_csv, write_json
     from optiq.trace_reader import read_trace
 
     device, mode = resolve_device_and_mode(device, mode)
+    catalog = load_catalog(recipes_dir)
     model_spec = model_spec or default_preset(device)
     try:
         Workload(prompt_len, steps, max_len, repeats=1).check()
@@ -66,7 +74,9 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
                     timed.notes.append(f"{aligned} of {int(timed.kernels['graph'].sum())} replayed kernels aligned "
                                        f"with the eager trace of the same batch")
                 attribution = attribute([timed], by, top)
-            doc = {"concurrency": batch, "mode": mode, **document(attribution, [timed])}
+                proposals = propose(catalog, weighted_kernels([timed]), model.config.model_type)
+            doc = {"concurrency": batch, "mode": mode, **document(attribution, [timed]),
+                   "proposals": proposals_records(proposals)}
             write_json(run.path / f"attribution_C{batch}.json", doc)
             write_csv(run.path / f"attribution_C{batch}.csv", attribution.table.to_dict(orient="records"))
             results.append(doc)
@@ -74,6 +84,7 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
                 out.print(render(attribution, f"{model_spec} · C={batch} · {mode} · by {by}"))
                 for note in attribution.notes:
                     out.print(f"  note: {note}")
+                out.print(proposals_table(proposals, f"proposals · {model_spec} · C={batch}"))
             free_memory()
     except KeyboardInterrupt:
         run.finish("incomplete", concurrencies_done=len(results))

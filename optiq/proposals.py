@@ -1,0 +1,72 @@
+"""Proposals: the catalog's recipes ranked by the GPU time and kernels of the attribution table they would replace.
+
+A recipe covers the kernels whose module role and op class it names (in traces without roles, the op class alone).
+Its predicted saving is an upper bound, the covered time itself; the fused kernel's own time is what apply-fusion's
+re-measurement tells.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from optiq.attribution import NO_ROLE
+from optiq.recipes import Recipe
+
+
+@dataclass(frozen=True)
+class Proposal:
+    recipe: str
+    covered_ms_per_step: float
+    covered_pct: float
+    kernels_per_step: float
+    where: str  # the largest covered (role, class) pairs with their shares
+    why: str
+
+
+def _patch_key(recipe: Recipe) -> tuple:
+    return recipe.patch_kind, recipe.patch_target
+
+
+def _coverage(recipe: Recipe, kernels: pd.DataFrame, has_roles: bool) -> pd.Series:
+    covered = kernels["op_class"].isin(recipe.op_classes)
+    if has_roles and recipe.roles:
+        covered &= kernels["role"].isin(recipe.roles)
+    return covered
+
+
+def propose(catalog: dict[str, Recipe], kernels: pd.DataFrame, model_type: str | None) -> list[Proposal]:
+    """Rank the recipes applicable to ``model_type`` (None: a foreign trace, all of them) against ``kernels``, the
+    per-step weighted kernel table (``optiq.attribution.weighted_kernels``).
+
+    Greedy, largest first: each kernel counts for one recipe only, so the proposals' savings add up, and a recipe
+    that patches the place an earlier proposal patches is dropped."""
+    time_us = kernels["dur"] * kernels["w"]
+    total_us = float(time_us.sum())
+    has_roles = bool((kernels["role"] != NO_ROLE).any())
+    candidates = {name: recipe for name, recipe in catalog.items()
+                  if model_type is None or recipe.applies_to(model_type)}
+    unclaimed = pd.Series(True, index=kernels.index)
+    taken: set[tuple] = set()
+    proposals = []
+    while candidates:
+        coverage = {name: _coverage(r, kernels, has_roles) & unclaimed for name, r in candidates.items()}
+        name = max(coverage, key=lambda n: (float(time_us[coverage[n]].sum()), float(kernels["w"][coverage[n]].sum())))
+        covered, recipe = coverage[name], candidates.pop(name)
+        if not covered.any():
+            break
+        if _patch_key(recipe) in taken:
+            continue
+        taken.add(_patch_key(recipe))
+        unclaimed &= ~covered
+        places = (kernels[covered].assign(t=time_us[covered]).groupby(["role", "op_class"], observed=True)["t"]
+                  .sum().sort_values(ascending=False))
+        covered_us = float(places.sum())
+        where = ", ".join(f"{cls} in {role} {100 * t / total_us:.1f}%" for (role, cls), t in places.head(3).items())
+        kernels_per_step = float(kernels["w"][covered].sum())
+        proposals.append(Proposal(
+            recipe=name, covered_ms_per_step=covered_us / 1e3, covered_pct=100 * covered_us / total_us,
+            kernels_per_step=kernels_per_step, where=where,
+            why=f"{name}: replaces {where} ({kernels_per_step:.0f} kernels/step)"))
+    return proposals

@@ -1,0 +1,132 @@
+"""The fusion catalog: recipes are data (one TOML file each) naming what they fix, where they apply, how they patch
+and which fusion they use. Users add their own with ``--recipes-dir``; a malformed file is rejected with the file, the
+field and why.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from optiq.errors import OptiqError
+from optiq.op_classes import CLASSES
+
+# How close a recipe's output must stay to the unfused path's, both measured against an fp32 reference.
+TOLERANCES = {
+    "exact": "bit-identical to the unfused path",
+    "exact_order": "same roundings in the same order as HF; differences only from fused multiply-adds",
+    "reassociation": "sums in another order (split reductions, one GEMM for several): error of the unfused path's order",
+    "lossy": "lower precision on purpose (e.g. fp32 matmuls run in bf16); must still pass the end-to-end bound",
+}
+
+PATCH_KINDS = {
+    "module_forward": "modules",  # instances of these classes get a new forward
+    "function": "function",  # this module-level function of the architecture's modeling module is replaced
+    "attention_interface": "interface",  # an attention function (and its mask) registered under this name
+    "engine": "method",  # this method of optiq's decode engine is replaced
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    summary: str
+    fusion: str  # import path "module:attribute" of the kernel entry point
+    architectures: tuple[str, ...]  # transformers model types, or "*"
+    tolerance: str
+    roles: tuple[str, ...]
+    op_classes: tuple[str, ...]
+    aten_ops: tuple[str, ...]
+    kernels_saved_per_layer: int
+    patch_kind: str
+    patch_target: tuple[str, ...]  # module class names, or one function / interface / method name
+    patch_with: str  # import path "module:attribute" of the factory that builds the replacement
+    path: str
+
+    def applies_to(self, model_type: str) -> bool:
+        return "*" in self.architectures or model_type in self.architectures
+
+
+def builtin_dir() -> Path:
+    """The catalog shipped with optiq: the source tree's ``recipes/``, or its installed copy (package data)."""
+    here = Path(__file__).resolve().parent
+    source = here.parent / "recipes"
+    return source if source.is_dir() else here / "builtin_recipes"
+
+
+def _field(path: Path, table: dict, key: str, kind, where: str = ""):
+    if key not in table:
+        raise OptiqError(f"{path}: recipe field '{where}{key}' is missing")
+    value = table[key]
+    if kind is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise OptiqError(f"{path}: recipe field '{where}{key}' must be a list of strings")
+        return tuple(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise OptiqError(f"{path}: recipe field '{where}{key}' must be a {kind.__name__}, not {value!r}")
+    return value
+
+
+def _import_path(path: Path, value: str, where: str) -> str:
+    module, _, attribute = value.partition(":")
+    if not module or not attribute or not all(part.isidentifier() for part in [*module.split("."), attribute]):
+        raise OptiqError(f"{path}: recipe field '{where}' must be an import path 'package.module:name', not '{value}'")
+    return value
+
+
+def parse_recipe(path: Path) -> Recipe:
+    """Read and check one recipe file."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise OptiqError(f"{path}: not valid TOML ({exc})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OptiqError(f"{path}: cannot read recipe ({exc})") from None
+    fixes = _field(path, data, "fixes", dict)
+    patch = _field(path, data, "patch", dict)
+    tolerance = _field(path, data, "tolerance", str)
+    if tolerance not in TOLERANCES:
+        raise OptiqError(f"{path}: recipe field 'tolerance' must be one of {', '.join(TOLERANCES)}, not '{tolerance}'")
+    op_classes = _field(path, fixes, "op_classes", list, "fixes.")
+    unknown = sorted(set(op_classes) - set(CLASSES))
+    if unknown:
+        raise OptiqError(f"{path}: recipe field 'fixes.op_classes' has unknown classes {unknown}; known: "
+                         f"{', '.join(CLASSES)}")
+    saved = _field(path, fixes, "kernels_saved_per_layer", int, "fixes.")
+    if saved < 0:
+        raise OptiqError(f"{path}: recipe field 'fixes.kernels_saved_per_layer' must be >= 0")
+    kind = _field(path, patch, "kind", str, "patch.")
+    if kind not in PATCH_KINDS:
+        raise OptiqError(f"{path}: recipe field 'patch.kind' must be one of {', '.join(PATCH_KINDS)}, not '{kind}'")
+    target_key = PATCH_KINDS[kind]
+    target = _field(path, patch, target_key, list if target_key == "modules" else str, "patch.")
+    architectures = _field(path, data, "architectures", list)
+    if not architectures:
+        raise OptiqError(f"{path}: recipe field 'architectures' is empty (use [\"*\"] for every architecture)")
+    return Recipe(
+        name=_field(path, data, "name", str), summary=_field(path, data, "summary", str),
+        fusion=_import_path(path, _field(path, data, "fusion", str), "fusion"), architectures=architectures,
+        tolerance=tolerance, roles=_field(path, fixes, "roles", list, "fixes."), op_classes=op_classes,
+        aten_ops=_field(path, fixes, "aten_ops", list, "fixes."), kernels_saved_per_layer=saved, patch_kind=kind,
+        patch_target=target if isinstance(target, tuple) else (target,),
+        patch_with=_import_path(path, _field(path, patch, "with", str, "patch."), "patch.with"), path=str(path))
+
+
+def load_catalog(extra_dirs: list[str] | tuple[str, ...] = ()) -> dict[str, Recipe]:
+    """The built-in recipes plus those in ``extra_dirs`` (a user's recipe replaces a built-in one of the same name;
+    two user files with the same name are refused)."""
+    catalog: dict[str, Recipe] = {}
+    for directory in (builtin_dir(), *map(Path, extra_dirs)):
+        if not directory.is_dir():
+            raise OptiqError(f"{directory}: recipes directory not found")
+        user = directory != builtin_dir()
+        seen: dict[str, str] = {}
+        for path in sorted(directory.glob("*.toml")):
+            recipe = parse_recipe(path)
+            if recipe.name in seen:
+                raise OptiqError(f"{path}: recipe name '{recipe.name}' is also used by {seen[recipe.name]}")
+            seen[recipe.name] = str(path)
+            if user or recipe.name not in catalog:
+                catalog[recipe.name] = recipe
+    return catalog
