@@ -49,3 +49,16 @@ def test_recipes_for_other_architectures_are_not_proposed(catalog):
     assert "gate_up_swiglu" not in names and "swiglu" not in names  # dense-MLP recipes; qwen3_moe is not theirs
     # Only the architecture-independent recipe applies to a model type no recipe names.
     assert [p.recipe for p in propose(catalog, _kernels("qwen3-0.6b_eager_C1.json.gz"), "gemma3")] == ["greedy_sample"]
+
+
+def test_analyze_prints_proposals_for_a_model_type():
+    import json
+
+    from click.testing import CliRunner
+
+    from optiq.cli import cli
+
+    result = CliRunner().invoke(cli, ["analyze", str(TRACES / "llama-3.1-8b_eager_C64.json.gz"), "--proposals",
+                                      "llama", "--json"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["results"][0]["proposals"][0]["recipe"] == "decode_attention"

@@ -7,9 +7,13 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from optiq.attribution import GROUPINGS, Attribution, align_graph_with_eager, attribute
+from optiq.attribution import GROUPINGS, Attribution, align_graph_with_eager, attribute, weighted_kernels
 from optiq.commands.common import err, out, print_json
+from optiq.commands.proposals_view import proposals_records, proposals_table
+from optiq.commands.recipes import recipes_dir_option
 from optiq.errors import OptiqError
+from optiq.proposals import propose
+from optiq.recipes import load_catalog
 from optiq.rundir import write_csv
 from optiq.trace_reader import Trace, read_trace
 
@@ -80,7 +84,10 @@ def document(attribution: Attribution, traces: list[Trace]) -> dict:
 @click.option("--top", default=3, show_default=True, type=click.IntRange(1), help="Top kernels / places per row.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
 @click.option("--csv", "csv_path", default=None, type=click.Path(dir_okay=False), help="Also write the rows here.")
-def analyze(traces, by, eager_companion, top, as_json, csv_path):
+@click.option("--proposals", "model_type", default=None, metavar="MODEL_TYPE",
+              help="Also rank the recipes that apply to this transformers model type (llama, qwen3, ...; any = all).")
+@recipes_dir_option
+def analyze(traces, by, eager_companion, top, as_json, csv_path, model_type, recipes_dir):
     """Attribute the GPU time of traces captured elsewhere: torch.profiler exports, vLLM (*.pt.trace.json.gz) and
     SGLang (*-TP-*.trace.json.gz), .json or .json.gz.
 
@@ -96,14 +103,23 @@ def analyze(traces, by, eager_companion, top, as_json, csv_path):
     if len(read) > 1:
         results.append((f"all {len(read)} ranks", read, attribute(read, by, top)))
 
+    proposals = {}
+    if model_type:
+        catalog = load_catalog(recipes_dir)
+        wanted = None if model_type == "any" else model_type
+        proposals = {title: propose(catalog, weighted_kernels(ts), wanted) for title, ts, _ in results}
     if csv_path:
         rows = [{"scope": title.split(" · ")[0], **row} for title, _, a in results
                 for row in a.table.drop(columns="label").to_dict(orient="records")]
         write_csv(Path(csv_path), rows)
     if as_json:
-        print_json({"results": [{"scope": title, **document(a, ts)} for title, ts, a in results]})
+        print_json({"results": [{"scope": title, **document(a, ts),
+                                  **({"proposals": proposals_records(proposals[title])} if proposals else {})}
+                                 for title, ts, a in results]})
         return
     for title, _, attribution in results:
         out.print(render(attribution, f"{title} · by {by}"))
         for note in attribution.notes:
             out.print(f"  note: {note}")
+        if proposals:
+            out.print(proposals_table(proposals[title], f"proposals · {title}"))
