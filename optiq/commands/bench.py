@@ -110,6 +110,7 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
         try:
             sweep(model, concurrencies, workload, variants, bandwidth, on_row=on_row, on_start=on_start)
         except KeyboardInterrupt:
+            save(rows)  # the interrupt may have landed between two files of the last save
             run.finish("incomplete", points_done=len(rows))
             err.print(f"interrupted: {len(rows)} point(s) kept in {run.path} (marked incomplete)")
             raise SystemExit(EXIT_INTERRUPTED) from None

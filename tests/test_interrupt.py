@@ -1,0 +1,36 @@
+"""Ctrl-C in the middle of a real `optiq bench` sweep keeps every finished point and marks the run incomplete."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def test_sigint_mid_sweep_keeps_finished_points(tmp_path):
+    runs = tmp_path / "runs"
+    # Many concurrencies, each a few hundred ms on the CPU: the interrupt lands mid-sweep.
+    args = [sys.executable, "-m", "optiq", "bench", "--model", "tiny-llama", "--concurrency", ",".join(["1"] * 40),
+            "--prompt-len", "8", "--new-tokens", "16", "--max-len", "32", "--repeats", "2", "--runs-dir", str(runs)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    results = None
+    while time.monotonic() < deadline:  # wait until at least two points are on disk
+        found = list(runs.glob("bench-*/results.json"))
+        if found and len(json.loads(found[0].read_text())["rows"]) >= 2:
+            results = found[0]
+            break
+        time.sleep(0.05)
+    assert results is not None, proc.communicate()[1]
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    meta = json.loads((results.parent / "run.json").read_text())
+    rows = json.loads(results.read_text())["rows"]
+    assert meta["status"] == "incomplete" and meta["points_done"] == len(rows)
+    assert 2 <= len(rows) < 40 and all(r["status"] == "ok" and r["tok_per_s"] > 0 for r in rows)
+    assert [p.name for p in results.parent.iterdir() if p.name.startswith(".")] == []  # no half-written temp files
+    csv_lines = (results.parent / "results.csv").read_text().strip().splitlines()
+    assert len(csv_lines) == len(rows) + 1
