@@ -5,7 +5,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 
 def test_sigint_mid_sweep_keeps_finished_points(tmp_path):

@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from fusions.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference
+from kernel_testing import SMALL_DEVICE, needs_cuda
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-# Small odd shapes run on the GPU when there is one, else on the CPU under the Triton interpreter.
-SMALL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The sum is rounded to the model dtype, then the norm rounds twice; the interpreter truncates.
 TOLERANCE = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-5},

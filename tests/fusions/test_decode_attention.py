@@ -8,11 +8,8 @@ import pytest
 import torch
 
 from fusions.decode_attention import benchmark_case, decode_attention, decode_attention_reference
+from kernel_testing import CUDA, SMALL_DEVICE, needs_cuda
 
-CUDA = torch.cuda.is_available()
-# small cases run on the GPU when there is one (Triton compiles only for it), else under the interpreter
-DEVICE = "cuda" if CUDA else "cpu"
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 
 
@@ -60,7 +57,7 @@ def check(seed, batch, num_q_heads, num_kv_heads, head_dim, max_len, lengths, dt
 @pytest.mark.parametrize("head_dim", [16, 32])
 def test_group_sizes_and_head_dims(group_size, head_dim):
     check(seed=10 * group_size + head_dim, batch=4, num_q_heads=2 * group_size, num_kv_heads=2,
-          head_dim=head_dim, max_len=45, lengths=[1, 7, 45, 29], dtype=torch.float32, device=DEVICE)
+          head_dim=head_dim, max_len=45, lengths=[1, 7, 45, 29], dtype=torch.float32, device=SMALL_DEVICE)
 
 
 @pytest.mark.usefixtures("poisoned_empty")
@@ -68,20 +65,20 @@ def test_group_sizes_and_head_dims(group_size, head_dim):
 def test_split_counts(num_splits):
     """Several blocks per split, splits that start past a short sequence, and more splits than blocks."""
     check(seed=100 + (num_splits or 0), batch=3, num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=150,
-          lengths=[1, 150, 83], dtype=torch.float32, device=DEVICE, num_splits=num_splits)
+          lengths=[1, 150, 83], dtype=torch.float32, device=SMALL_DEVICE, num_splits=num_splits)
 
 
 @pytest.mark.usefixtures("poisoned_empty")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_dtypes(dtype):
     check(seed=7 if dtype == torch.bfloat16 else 8, batch=3, num_q_heads=8, num_kv_heads=2, head_dim=32,
-          max_len=40, lengths=[40, 5, 17], dtype=dtype, device=DEVICE)
+          max_len=40, lengths=[40, 5, 17], dtype=dtype, device=SMALL_DEVICE)
 
 
 @pytest.mark.usefixtures("poisoned_empty")
 def test_odd_head_dim_and_int32_lengths():
     """head_dim 24 pads to a 32-wide tile (masked columns); lengths arrive as int32 as well as int64."""
-    q, k_cache, v_cache, lengths = make_inputs(21, 3, 6, 3, 24, 33, [33, 1, 12], torch.float32, DEVICE)
+    q, k_cache, v_cache, lengths = make_inputs(21, 3, 6, 3, 24, 33, [33, 1, 12], torch.float32, SMALL_DEVICE)
     out = decode_attention(q, k_cache, v_cache, lengths.int(), 0.3)
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, lengths, 0.3), rtol=1e-5, atol=1e-5)
 
@@ -89,7 +86,7 @@ def test_odd_head_dim_and_int32_lengths():
 @pytest.mark.usefixtures("poisoned_empty")
 def test_idle_slot_of_length_zero_gives_zeros():
     _, _, _, _, out = check(seed=27, batch=3, num_q_heads=4, num_kv_heads=1, head_dim=16, max_len=20,
-                            lengths=[20, 0, 3], dtype=torch.float32, device=DEVICE, num_splits=2)
+                            lengths=[20, 0, 3], dtype=torch.float32, device=SMALL_DEVICE, num_splits=2)
     assert (out[1] == 0).all()
 
 
@@ -104,7 +101,7 @@ def poison_beyond_lengths(cache, lengths):
 
 def test_positions_beyond_length_are_ignored():
     """No program may read (let alone weigh) cache positions past a sequence's length."""
-    q, k_cache, v_cache, lengths = make_inputs(31, 4, 8, 2, 32, 70, [1, 70, 9, 64], torch.float32, DEVICE)
+    q, k_cache, v_cache, lengths = make_inputs(31, 4, 8, 2, 32, 70, [1, 70, 9, 64], torch.float32, SMALL_DEVICE)
     out = decode_attention(q, poison_beyond_lengths(k_cache, lengths), poison_beyond_lengths(v_cache, lengths),
                            lengths, 0.2, num_splits=3)
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, lengths, 0.2), rtol=1e-5, atol=1e-5)
@@ -113,7 +110,7 @@ def test_positions_beyond_length_are_ignored():
 def test_wrong_length_or_scale_fails_the_comparison():
     """The comparison can fail: one position fewer, or another scale, gives a different result."""
     q, k_cache, v_cache, lengths, out = check(seed=41, batch=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
-                                              max_len=20, lengths=[20, 6], dtype=torch.float32, device=DEVICE)
+                                              max_len=20, lengths=[20, 6], dtype=torch.float32, device=SMALL_DEVICE)
     scale = 16 ** -0.5
     for wrong in (reference(q, k_cache, v_cache, lengths - 1, scale), reference(q, k_cache, v_cache, lengths, 1.0)):
         assert not torch.allclose(out.double(), wrong, rtol=1e-3, atol=1e-3)
@@ -166,7 +163,7 @@ def test_cuda_graph_capture_and_compile():
 
 def test_benchmark_case_runs():
     rows, dtype = (16, torch.bfloat16) if CUDA else (1, torch.float32)
-    case = benchmark_case(rows, dtype, DEVICE)
+    case = benchmark_case(rows, dtype, SMALL_DEVICE)
     fused, eager = case["fused"](), case["eager"]()
     assert fused.shape == eager.shape == (rows, 1, 32, 128)
     torch.testing.assert_close(fused, eager, rtol=TOLERANCES[dtype], atol=TOLERANCES[dtype])

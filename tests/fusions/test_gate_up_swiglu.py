@@ -13,9 +13,8 @@ from fusions.gate_up_swiglu import (
     gate_up_swiglu_reference,
     interleave_gate_up,
 )
+from kernel_testing import CUDA, needs_cuda
 
-CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 

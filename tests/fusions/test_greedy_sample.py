@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from fusions.greedy_sample import greedy_sample, greedy_sample_reference
+from kernel_testing import SMALL_DEVICE, needs_cuda
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-# Small odd shapes run on the GPU when there is one, else on the CPU under the Triton interpreter.
-SMALL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 POISON = -1  # no valid token id
 
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from fusions.qkv_proj import benchmark_case, concat_qkv_weights, qkv_proj, qkv_proj_reference
+from kernel_testing import CUDA, needs_cuda
 
-CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 

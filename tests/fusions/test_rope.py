@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from fusions.rope import benchmark_case, rope, rope_reference
+from kernel_testing import CUDA, needs_cuda
 
-CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 # The interpreter rounds to bf16 by truncation, and rope rounds to the model dtype several times, as HF does.
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 EPS = 1e-6

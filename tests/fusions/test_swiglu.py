@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from fusions.swiglu import swiglu, swiglu_reference
+from kernel_testing import SMALL_DEVICE, needs_cuda
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-# Small odd shapes run on the GPU when there is one, else on the CPU under the Triton interpreter.
-SMALL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16/fp16 round twice (silu, then the product); the interpreter truncates instead of rounding.
 TOLERANCE = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-5},

@@ -1,0 +1,9 @@
+"""What every kernel test shares: whether a GPU is here, and where the small odd-shape cases run (on the GPU when
+there is one, else on the CPU under the Triton interpreter)."""
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+SMALL_DEVICE = "cuda" if CUDA else "cpu"
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
