@@ -1,0 +1,86 @@
+"""Attention: one GEMM for the Q, K and V projections, and a decode attention kernel behind an HF interface."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+
+def qkv_proj_forward(attn: torch.nn.Module, fusion):
+    """HF's llama-family attention forward (Qwen3's per-head q/k norms included) with one projection GEMM.
+
+    The weights (and biases) are concatenated here, once. RoPE, the attention function and ``eager_attention_forward``
+    are looked up at call time, in the module's own modeling module, so other patches (rope, an attention interface)
+    still apply underneath."""
+    if attn.q_proj.in_features != attn.k_proj.in_features or attn.k_proj.in_features != attn.v_proj.in_features:
+        raise ValueError(f"{type(attn).__name__}'s projections read different inputs")
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    weight = torch.cat([p.weight for p in projections]).detach()
+    biased = [p.bias is not None for p in projections]
+    if any(biased) and not all(biased):
+        raise ValueError(f"{type(attn).__name__} has a bias on some projections only")
+    bias = torch.cat([p.bias for p in projections]).detach() if all(biased) else None
+    sizes = [p.out_features for p in projections]
+    modeling = sys.modules[type(attn).__module__]
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+
+    def forward(hidden_states: torch.Tensor, position_embeddings, attention_mask=None, **kwargs):
+        cache, legacy = kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
+        cache = legacy if cache is None else cache
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, attn.head_dim)
+        q, k, v = (t.view(hidden_shape) for t in fusion(hidden_states, weight, sizes, bias))
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, attn.layer_idx)
+        implementation = attn.config._attn_implementation
+        attention = (modeling.eager_attention_forward if implementation == "eager"
+                     else AttentionInterface._global_mapping[implementation])
+        extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
+        out, weights = attention(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **extra, **kwargs)
+        return attn.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+    return forward
+
+
+def _filled_lengths(kwargs: dict) -> tuple[int, torch.Tensor]:
+    """(query length, cache positions filled once this step's tokens are written) from a mask call's arguments.
+
+    transformers 5.24 passes ``q_length`` and ``q_offset`` (a device tensor for a static cache); 5.17 passes
+    ``cache_position``, the query tokens' positions. Either way nothing is read back to the host."""
+    if "cache_position" in kwargs and kwargs["cache_position"] is not None:
+        positions = kwargs["cache_position"]
+        return positions.shape[0], positions[-1] + 1
+    q_length = kwargs["q_length"]
+    return q_length, torch.as_tensor(kwargs.get("q_offset", 0), device=kwargs.get("device")) + q_length
+
+
+def decode_attention_interface(fusion):
+    """(attention, mask) for one name: decode steps (one query token, no padding mask, no window) run ``fusion``
+    over each sequence's filled cache prefix; everything else (prefill) runs transformers' own sdpa path and mask.
+
+    For a decode step the mask function returns the filled lengths, int64 [batch], instead of a boolean mask: the
+    attention function sees a 1-D integer tensor and knows it may use the kernel."""
+    sdpa_attention = AttentionInterface._global_mapping["sdpa"]
+    sdpa_mask = AttentionMaskInterface._global_mapping["sdpa"]
+
+    def mask(**kwargs):
+        q_length, filled = _filled_lengths(kwargs)
+        if q_length != 1 or kwargs.get("attention_mask") is not None or kwargs.get("local_size") is not None:
+            return sdpa_mask(**kwargs)
+        return filled.reshape(1).to(torch.int64).repeat(kwargs["batch_size"])
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 1 and query.shape[2] == 1:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return fusion(query, key, value, attention_mask, scale), None
+        return sdpa_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    return attention, mask

@@ -1,0 +1,342 @@
+"""The validation gate: a patched model must compute the function the unpatched one computes.
+
+Two checks, both against a higher-precision reference rather than against the model's own rounding:
+
+1. Per recipe, at the model's shapes: the real inputs of every patched module / function / attention call / engine
+   method are captured during one decode step of the unpatched model; the original and the fused path then run on
+   those inputs (the fused path twice in a row, so a kernel that carries state from one call into the next, such as a
+   stale accumulator, shows on its second call even at a single site), and both are compared with the original path
+   run in float64. Rule: ``err(fused) <= factor * err(unfused) + floor * eps(model dtype)`` at every call, with
+   ``err`` the norm of the difference over the norm of the reference, and (factor, floor) from the recipe's tolerance
+   class (GATE). ``exact`` means bitwise equal to the unfused path.
+2. End to end: teacher-forced greedy decode over ``steps`` steps at each concurrency with the DecodeEngine. The
+   reference is the unpatched model itself for an fp32 model (then every greedy pick must be identical) or an fp32
+   copy of it otherwise (then the unpatched model's own distance to fp32 sets the scale). Rule: relative logits error
+   ``<= factor * err(unpatched) + E2E_FLOOR_EPS * eps(fp32)``, top-1 agreement ``>= agreement(unpatched) - slack``,
+   with factor and slack from the loosest tolerance among the recipes.
+
+A recipe that fails its gate is undone (alone) and reported with the numbers that failed it; the others stay.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from transformers import Cache
+
+from optiq.engine import DecodeEngine
+from optiq.patching import Change, Patches, Site, engine_site
+
+# factor, floor (in eps of the model dtype). Why these:
+# - exact_order: same roundings in the same order, so the fused error is the unfused one plus at most a rounding of
+#   the output per fused multiply-add or differently rounded rsqrt/exp (1-2 ulp): 2x the unfused error plus 2 eps
+#   (4 units of roundoff). A norm without eps (relative error eps_norm / mean(x^2), ~1e-3 on these models) or a
+#   wrong rotation is orders of magnitude past it in fp32.
+# - reassociation: a sum in another order has an error of the same distribution as the original order's but not the
+#   same value; a per-call ratio of two such errors stays well inside 4 (the floor covers calls whose unfused error is
+#   by chance near zero). A dropped cache position or a missing split is an O(1/length) change, far outside.
+# - lossy: lower precision on purpose, so the unfused error says little; the floor is one bf16 rounding of every
+#   input and the output (8 eps of bf16 in eps of the model dtype is applied below), and the end-to-end bound decides.
+GATE = {"exact": (0.0, 0.0), "exact_order": (2.0, 2.0), "reassociation": (4.0, 4.0), "lossy": (4.0, 2.0)}
+LOSSY_FLOOR = 2 * torch.finfo(torch.bfloat16).eps
+ORDER = ["exact", "exact_order", "reassociation", "lossy"]  # loosest last
+# End to end: the rounding an fp32 forward of a few dozen layers accumulates in its logits (tiny presets: ~2 eps).
+E2E_FLOOR_EPS = 64
+E2E_SLACK = {"exact": 0.0, "exact_order": 0.02, "reassociation": 0.05, "lossy": 0.1}  # top-1, non-fp32 models only
+
+
+@dataclass
+class RecipeResult:
+    recipe: str
+    tolerance: str
+    passed: bool
+    reason: str
+    calls: int = 0
+    err_fused: float = float("nan")  # at the worst call (largest fused error over its bound)
+    err_unfused: float = float("nan")
+    bound: float = float("nan")
+    site: str = ""
+
+
+@dataclass
+class EndToEnd:
+    concurrency: int
+    steps: int
+    passed: bool
+    rel_err: float
+    rel_err_unpatched: float
+    bound: float
+    top1: float
+    top1_unpatched: float
+    min_top1: float
+    recipes: tuple[str, ...]
+
+
+@dataclass
+class Validation:
+    recipes: dict[str, RecipeResult] = field(default_factory=dict)
+    end_to_end: list[EndToEnd] = field(default_factory=list)
+    rolled_back: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.rolled_back and all(e.passed for e in self.end_to_end)
+
+
+def _fresh(value: Any, dtype: torch.dtype | None = None) -> Any:
+    """A private copy of captured call arguments: tensors cloned (floating ones cast to ``dtype``), caches deep-copied;
+    modules, configs and functions shared."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if dtype is not None and value.is_floating_point() else value.clone()
+    if isinstance(value, Cache):
+        cache = copy.deepcopy(value)
+        for layer in cache.layers if dtype is not None else ():
+            for name in ("keys", "values"):
+                if isinstance(getattr(layer, name, None), torch.Tensor):
+                    setattr(layer, name, getattr(layer, name).to(dtype))
+        return cache
+    if isinstance(value, (tuple, list)):
+        return type(value)(_fresh(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _fresh(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _callable(site: Site, kind: str, which: Any) -> Callable:
+    """A site's path as one callable of the captured arguments (an attention pair builds its own mask first)."""
+    if kind != "attention_interface":
+        return which
+    attention, mask = which
+    return lambda mask_kwargs, module, q, k, v, **kwargs: attention(module, q, k, v, mask(**mask_kwargs), **kwargs)
+
+
+def _recorder(kind: str, original: Any, calls: list) -> Any:
+    """The original path, recording a private copy of its inputs at each call."""
+    if kind != "attention_interface":
+        def record(*args, **kwargs):
+            calls.append(_fresh((args, kwargs)))
+            return original(*args, **kwargs)
+        return record
+    attention, mask = original
+    latest = {}
+
+    def record_mask(**kwargs):
+        latest["mask"] = _fresh(kwargs)
+        return mask(**kwargs)
+
+    def record_attention(module, q, k, v, attention_mask, **kwargs):
+        calls.append(_fresh(((latest["mask"], module, q, k, v), kwargs)))
+        return attention(module, q, k, v, attention_mask, **kwargs)
+
+    return record_attention, record_mask
+
+
+def _reference(original: Callable) -> Callable:
+    """The original path in float64: a module's forward runs on a float64 copy of the module (MoE experts through
+    transformers' eager loop, as grouped GEMMs have no float64 kernel)."""
+    owner = getattr(original, "__self__", None)
+    if not isinstance(owner, torch.nn.Module):
+        return original
+    double = copy.deepcopy(owner).to(torch.float64)
+    for module in double.modules():
+        if hasattr(getattr(module, "config", None), "_experts_implementation"):
+            module.config._experts_implementation = "eager"
+    return original.__func__.__get__(double)
+
+
+def _error(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    if len(outputs) != len(reference) or any(o.shape != r.shape for o, r in zip(outputs, reference)):
+        return float("inf")
+    diff = ref = 0.0
+    for out, want in zip(outputs, reference):
+        if not want.is_floating_point():
+            if not torch.equal(out.to(want.dtype), want):
+                return float("inf")
+            continue
+        diff += (out.double() - want.double()).norm().item() ** 2
+        ref += want.double().norm().item() ** 2
+    return (diff / ref) ** 0.5 if ref > 0 else diff ** 0.5
+
+
+def _bound(tolerance: str, dtype: torch.dtype, err_unfused: float) -> float:
+    factor, floor = GATE[tolerance]
+    floor_abs = max(floor * torch.finfo(dtype).eps, LOSSY_FLOOR if tolerance == "lossy" else 0.0)
+    return factor * err_unfused + floor_abs
+
+
+def _prompt(model: torch.nn.Module, batch: int, length: int, seed: int) -> torch.Tensor:
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _capture(patches: Patches, batch: int, prompt_len: int, seed: int) -> dict[str, list[tuple[Site, list]]]:
+    """Inputs of every site of every applied recipe during one decode step of the unpatched model."""
+    model = patches.model
+    with patches.suspended():
+        engine = DecodeEngine(model, batch, prompt_len + 2)
+        engine.prefill(_prompt(model, batch, prompt_len, seed))
+        captured, changes = {}, []
+        for name, applied in patches.applied.items():
+            kind = applied.recipe.patch_kind
+            sites = [engine_site(applied, engine)] if kind == "engine" else applied.sites
+            captured[name] = [(site, []) for site in sites]
+            changes += [site.bind(_recorder(kind, site.original, calls)) for site, calls in captured[name]]
+        for change in changes:
+            change.redo()
+        try:
+            engine.step()
+        finally:
+            for change in reversed(changes):
+                change.undo()
+    return captured
+
+
+def _gate(patches: Patches, name: str, sites: list[tuple[Site, list]]) -> RecipeResult:
+    recipe = patches.applied[name].recipe
+    kind, tolerance, dtype = recipe.patch_kind, recipe.tolerance, next(patches.model.parameters()).dtype
+    result = RecipeResult(name, tolerance, True, "passed")
+    worst = -float("inf")
+    with patches.suspended():
+        for site, calls in sites:
+            original, fused = _callable(site, kind, site.original), _callable(site, kind, site.replacement)
+            reference = _callable(site, kind, _reference(site.original))
+            for args, kwargs in calls:
+                result.calls += 1
+                want = _tensors(reference(*_fresh(args, torch.float64), **_fresh(kwargs, torch.float64)))
+                unfused = _tensors(original(*_fresh(args), **_fresh(kwargs)))
+                try:
+                    runs = [_tensors(fused(*_fresh(args), **_fresh(kwargs))) for _ in range(2)]
+                except Exception as exc:  # a user's kernel may fail in any way; the recipe fails, the run goes on
+                    return RecipeResult(name, tolerance, False, f"{site.label}: the fused path raised "
+                                        f"{type(exc).__name__}: {exc}", result.calls, site=site.label)
+                err_unfused = _error(unfused, want)
+                err_fused = max(_error(run, want) for run in runs)
+                bound = _bound(tolerance, dtype, err_unfused)
+                if tolerance == "exact":
+                    ok = all(_error(run, unfused) == 0.0 and all(torch.equal(a, b) for a, b in zip(run, unfused))
+                             for run in runs)
+                else:
+                    ok = err_fused <= bound
+                excess = err_fused - bound
+                if not ok or excess > worst:
+                    worst = excess if ok else float("inf")
+                    result.err_fused, result.err_unfused, result.bound, result.site = (err_fused, err_unfused,
+                                                                                       bound, site.label)
+                if not ok:
+                    result.passed = False
+                    rule = ("not bit-identical to the unfused path" if tolerance == "exact" else
+                            f"error {err_fused:.3g} > {GATE[tolerance][0]:g} x unfused {err_unfused:.3g} + floor "
+                            f"= {bound:.3g}")
+                    second = " on its second run" if _error(runs[0], want) <= bound < err_fused else ""
+                    result.reason = f"{site.label} (call {result.calls}){second}: {rule}"
+                    return result
+    return result
+
+
+def _decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, forced: torch.Tensor | None,
+            changes: list[Change], engine_recipes: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decode ``steps`` steps; with ``forced`` (the reference's picks) the next input is always the reference's.
+    Returns the logits [steps, batch, vocab] (float64) and this model's own picks [steps + 1, batch]."""
+    engine = DecodeEngine(model, prompt.shape[0], prompt.shape[1] + steps + 1)
+    changes = changes + [(site := engine_site(a, engine)).bind(site.replacement) for a in engine_recipes]
+    for change in changes:
+        change.redo()
+    try:
+        engine.prefill(prompt)
+        picks, logits = [engine.tokens[:, 0].clone()], []
+        for step in range(steps):
+            if forced is not None:
+                engine.tokens[:, 0].copy_(forced[step])
+            logits.append(engine.step().double().cpu())
+            picks.append(engine.tokens[:, 0].clone())
+    finally:
+        for change in reversed(changes):
+            change.undo()
+        engine.release()
+    return torch.stack(logits), torch.stack(picks).cpu()
+
+
+def end_to_end(patches: Patches, names: list[str], concurrencies=(1, 4), steps: int = 64, prompt_len: int = 16,
+               seed: int = 0) -> list[EndToEnd]:
+    """Teacher-forced decode of the model with recipes ``names`` applied against the reference (module docstring)."""
+    model = patches.model
+    dtype = next(model.parameters()).dtype
+    chosen = [patches.applied[n] for n in names]
+    loosest = max((a.recipe.tolerance for a in chosen), key=ORDER.index, default="exact")
+    factor = GATE[loosest][0] if loosest != "exact" else 0.0
+    floor = E2E_FLOOR_EPS * torch.finfo(torch.float32).eps if loosest != "exact" else 0.0
+    model_changes = [c for a in chosen if a.recipe.patch_kind != "engine" for c in a.changes]
+    engine_recipes = [a for a in chosen if a.recipe.patch_kind == "engine"]
+    results = []
+    with torch.inference_mode(), patches.suspended():
+        reference_model = model if dtype == torch.float32 else copy.deepcopy(model).float()
+        for concurrency in concurrencies:
+            prompt = _prompt(model, concurrency, prompt_len, seed + concurrency).to(next(model.parameters()).device)
+            want, picks = _decode(reference_model, prompt, steps, None, [], [])
+            if reference_model is model:
+                base, base_picks = want, picks
+            else:
+                base, base_picks = _decode(model, prompt, steps, picks, [], [])
+            got, got_picks = _decode(model, prompt, steps, picks, model_changes, engine_recipes)
+            rel = ((got - want).norm() / want.norm()).item()
+            rel_base = ((base - want).norm() / want.norm()).item()
+            top1 = (got_picks[1:] == picks[1:]).double().mean().item()
+            top1_base = (base_picks[1:] == picks[1:]).double().mean().item()
+            bound = factor * rel_base + floor
+            min_top1 = top1_base - (0.0 if dtype == torch.float32 else E2E_SLACK[loosest])
+            results.append(EndToEnd(concurrency, steps, rel <= bound and top1 >= min_top1, rel, rel_base, bound,
+                                    top1, top1_base, min_top1, tuple(names)))
+        del reference_model
+    return results
+
+
+def validate(patches: Patches, concurrencies=(1, 4), steps: int = 64, prompt_len: int = 16,
+             seed: int = 0) -> Validation:
+    """Gate every applied recipe, undo those that fail, then check the survivors end to end; a recipe that fails end
+    to end on its own is undone too, and if the set still fails only together, all of it is."""
+    report = Validation()
+    with torch.inference_mode():
+        captured = _capture(patches, max(concurrencies), prompt_len, seed)
+        for name, sites in captured.items():
+            report.recipes[name] = _gate(patches, name, sites)
+    for name, result in report.recipes.items():
+        if not result.passed:
+            patches.undo(name)
+            report.rolled_back.append(name)
+    kept = list(patches.applied)
+    report.end_to_end = end_to_end(patches, kept, concurrencies, steps, prompt_len, seed) if kept else []
+    if all(e.passed for e in report.end_to_end):
+        return report
+    for name in kept:
+        alone = end_to_end(patches, [name], concurrencies, steps, prompt_len, seed)
+        failed = next((e for e in alone if not e.passed), None)
+        if failed is not None:
+            report.recipes[name].passed = False
+            report.recipes[name].reason = (f"end to end at concurrency {failed.concurrency}: logits error "
+                                           f"{failed.rel_err:.3g} (bound {failed.bound:.3g}), top-1 {failed.top1:.3f} "
+                                           f"(min {failed.min_top1:.3f})")
+    together = [n for n in kept if report.recipes[n].passed]
+    if together:
+        report.end_to_end = end_to_end(patches, together, concurrencies, steps, prompt_len, seed)
+        if not all(e.passed for e in report.end_to_end):
+            for name in together:
+                report.recipes[name].passed = False
+                report.recipes[name].reason = "fails end to end only together with the other recipes"
+    for name in kept:
+        if not report.recipes[name].passed:
+            patches.undo(name)
+            report.rolled_back.append(name)
+    return report

@@ -1,0 +1,104 @@
+"""Patching: every built-in recipe applies to the tiny presets and keeps their logits; undo restores the very objects."""
+
+import sys
+
+import pytest
+import torch
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from optiq.engine import DecodeEngine
+from optiq.errors import OptiqError
+from optiq.patching import apply, patches_of, unpatch
+from optiq.recipes import load_catalog
+from wrong_kernels import user_recipe
+
+
+def decode(model, steps=3, batch=2, patches=None):
+    """Logits of ``steps`` greedy decode steps after a short seeded prompt."""
+    engine = DecodeEngine(model, batch, 16)
+    if patches is not None:
+        patches.attach(engine)
+    engine.prefill(torch.randint(0, 256, (batch, 5), generator=torch.Generator().manual_seed(0)))
+    logits = torch.stack([engine.step().clone() for _ in range(steps)])
+    if patches is not None:
+        patches.detach(engine)
+    return logits
+
+
+def bindings(model):
+    """Every object a patch may rebind: instance forwards, modeling functions, registries, attention choice."""
+    modeling = sys.modules[type(model).__module__]
+    return ({name: vars(m).get("forward") for name, m in model.named_modules()}, modeling.apply_rotary_pos_emb,
+            dict(AttentionInterface._global_mapping), dict(AttentionMaskInterface._global_mapping),
+            model.config._attn_implementation)
+
+
+def test_builtin_recipes_keep_logits_and_undo_restores_everything(tiny_model):
+    catalog = load_catalog()
+    before, reference = bindings(tiny_model), decode(tiny_model)
+    patches = apply(tiny_model, [r for name, r in catalog.items() if name != "swiglu"])  # gate_up_swiglu instead
+    applied = {row["recipe"]: row for row in patches.summary() if row["status"] == "applied"}
+    assert {"rmsnorm", "add_rmsnorm", "qkv_proj", "rope", "decode_attention", "greedy_sample"} <= set(applied)
+    assert applied["rmsnorm"]["modules"] >= 5 and applied["decode_attention"]["interfaces"] == 1
+    assert tiny_model.config._attn_implementation == "optiq_decode"
+    params = {name: p.data_ptr() for name, p in tiny_model.named_parameters()}
+
+    patched = decode(tiny_model, patches=patches)
+    torch.testing.assert_close(patched, reference, rtol=1e-5, atol=1e-5)
+    assert {name: p.data_ptr() for name, p in tiny_model.named_parameters()} == params
+
+    unpatch(tiny_model)
+    after = bindings(tiny_model)
+    assert after[0] == before[0] and all(f is None for f in after[0].values())
+    assert after[1] is before[1] and after[2] == before[2] and after[3] == before[3] and after[4] == before[4]
+    assert patches_of(tiny_model) is None
+    assert torch.equal(decode(tiny_model), reference)
+
+
+def test_swiglu_and_engine_patch(tmp_path):
+    from optiq.models import load_model
+
+    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    reference = decode(model)
+    catalog = load_catalog()
+    engine = DecodeEngine(model, 2, 16)
+    patches = apply(model, [catalog["swiglu"], catalog["greedy_sample"]], engine=engine)
+    assert "sample" in vars(engine) and patches.summary()[1]["engines"] == 1
+    torch.testing.assert_close(decode(model, patches=patches), reference, rtol=1e-5, atol=1e-5)
+    patches.undo("greedy_sample")
+    assert "sample" not in vars(engine) and "swiglu" in patches.applied
+    patches.undo()
+    assert "forward" not in vars(model.model.layers[0].mlp)
+
+
+def test_not_applicable_is_reported_with_the_reason():
+    from optiq.models import load_model
+
+    model = load_model("tiny-qwen3-moe", torch.float32, torch.device("cpu"))
+    patches = apply(model, [load_catalog()["swiglu"]])
+    assert patches.applied == {} and "qwen3_moe" in patches.not_applicable["swiglu"]
+    assert "forward" not in vars(model.model.layers[0].mlp)
+
+
+def test_two_recipes_on_one_module_class_are_refused():
+    from optiq.models import load_model
+
+    catalog = load_catalog()
+    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    with pytest.raises(OptiqError, match="'gate_up_swiglu' and 'swiglu' both patch the module class LlamaMLP"):
+        apply(model, [catalog["gate_up_swiglu"], catalog["swiglu"]])
+    assert patches_of(model) is None and "forward" not in vars(model.model.layers[0].mlp)
+
+
+@pytest.mark.parametrize("field, path", [("fusion", "fusions.rmsnorm:no_such_kernel"),
+                                         ("with_", "optiq.no_such_module:rmsnorm_forward")])
+def test_an_import_path_that_does_not_resolve_is_a_clear_error(tmp_path, field, path):
+    from optiq.models import load_model
+
+    recipe = user_recipe(tmp_path, "rmsnorm", "my_norm", **{field: path})
+    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    shown = "patch.with" if field == "with_" else "fusion"
+    with pytest.raises(OptiqError, match=f"recipe 'my_norm': {shown} '{path}' does not resolve"):
+        apply(model, [recipe])
+    assert patches_of(model) is None

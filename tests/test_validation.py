@@ -1,0 +1,53 @@
+"""The validation gate passes the built-in recipes and rejects wrong kernels, rolling back only the failing recipe."""
+
+import pytest
+import torch
+
+from optiq.models import load_model
+from optiq.patching import apply, unpatch
+from optiq.recipes import load_catalog
+from optiq.validation import validate
+from wrong_kernels import user_recipe
+
+FAST = {"concurrencies": (1, 2), "steps": 3, "prompt_len": 5}
+
+
+def test_builtin_recipes_pass(tiny_model):
+    catalog = load_catalog()
+    patches = apply(tiny_model, [r for name, r in catalog.items() if name != "gate_up_swiglu"])
+    try:
+        report = validate(patches, **FAST)
+        assert report.passed, report
+        assert all(r.passed and r.calls > 0 for r in report.recipes.values())
+        assert all(e.top1 == 1.0 and e.rel_err <= e.bound for e in report.end_to_end)
+        assert report.recipes["rmsnorm"].err_fused > 0 and report.recipes["greedy_sample"].err_fused == 0
+    finally:
+        unpatch(tiny_model)
+
+
+def test_default_path_decodes_64_steps():
+    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    patches = apply(model, [load_catalog()["rmsnorm"]])
+    report = validate(patches, concurrencies=(1,))
+    assert report.passed and [e.steps for e in report.end_to_end] == [64]
+    assert "rmsnorm" in patches.applied
+
+
+@pytest.mark.parametrize("base, fusion, why", [
+    ("rmsnorm", "wrong_kernels:norm_without_eps", "error"),
+    ("rmsnorm", "wrong_kernels:stale_rmsnorm", "on its second run"),
+    ("rope", "wrong_kernels:rope_wrong_way", "error"),
+    ("decode_attention", "wrong_kernels:attention_drops_last", "error"),
+    ("rmsnorm", "wrong_kernels:raising_norm", "raised RuntimeError: out of shared memory"),
+])
+def test_wrong_kernels_are_rolled_back_and_others_stay(tmp_path, base, fusion, why):
+    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    wrong = user_recipe(tmp_path, base, "wrong", fusion=fusion)
+    patches = apply(model, [wrong, load_catalog()["greedy_sample"]])
+    report = validate(patches, **FAST)
+    result = report.recipes["wrong"]
+    assert not result.passed and why in result.reason, result
+    assert report.rolled_back == ["wrong"] and list(patches.applied) == ["greedy_sample"]
+    assert report.recipes["greedy_sample"].passed and all(e.passed for e in report.end_to_end)
+    assert model.config._attn_implementation == "sdpa"
+    assert all("forward" not in vars(m) for m in model.modules())

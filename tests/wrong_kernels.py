@@ -1,0 +1,59 @@
+"""Deliberately wrong kernels, each a bug a real fusion has shipped with (the validation gate must reject every one),
+and user recipes that point at them."""
+
+import re
+from pathlib import Path
+
+import torch
+
+from fusions.decode_attention import decode_attention_reference
+from fusions.rmsnorm import rmsnorm_reference
+from fusions.rope import rope_reference
+
+
+
+def user_recipe(directory: Path, base: str, name: str, **fields: str):
+    """A user recipe file in ``directory``: the built-in ``base`` renamed, with top-level or [patch] string fields
+    replaced (``with_`` for ``with``); returns it as the catalog loads it."""
+    from optiq.recipes import builtin_dir, load_catalog
+
+    text = (builtin_dir() / f"{base}.toml").read_text()
+    for key, value in {"name": name, **fields}.items():
+        key = key.rstrip("_")
+        text = re.sub(rf'^{key} = ".*"$', f'{key} = "{value}"', text, count=1, flags=re.M)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.toml").write_text(text)
+    return load_catalog([str(directory)])[name]
+
+
+_accumulators: dict[tuple, torch.Tensor] = {}
+
+
+def norm_without_eps(x, weight, eps, offset=False, out=None):
+    """RMSNorm that forgot eps: off by eps / mean(x^2), about 1e-3 relative on the tiny presets."""
+    return rmsnorm_reference(x, weight, 0.0, offset)
+
+
+def stale_rmsnorm(x, weight, eps, offset=False, out=None):
+    """RMSNorm into an accumulator that is never zeroed: right on its first call, then each call adds the last."""
+    acc = _accumulators.setdefault((tuple(x.shape), x.dtype), torch.zeros_like(x))
+    acc += rmsnorm_reference(x, weight, eps, offset)
+    return acc.clone()
+
+
+def rope_wrong_way(q, k, cos, sin):
+    """RoPE rotated by -angle (sin negated), in place as the real kernel."""
+    q_out, k_out = rope_reference(q, k, cos, -sin)
+    q.copy_(q_out)
+    k.copy_(k_out)
+    return q, k
+
+
+def attention_drops_last(q, k_cache, v_cache, lengths, scale):
+    """Decode attention that stops one position short: the token being decoded never sees itself."""
+    return decode_attention_reference(q, k_cache, v_cache, lengths - 1, scale)
+
+
+def raising_norm(x, weight, eps, offset=False, out=None):
+    """A kernel that fails at launch."""
+    raise RuntimeError("out of shared memory")
