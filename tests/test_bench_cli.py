@@ -78,7 +78,7 @@ def test_graph_mode_without_cuda_is_a_clear_error(tmp_path):
 
 
 def test_planned_commands_say_so():
-    result = run_cli("recipes")
+    result = run_cli("report")
     assert result.exit_code == 1 and "not implemented yet" in result.stderr
 
 
