@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -49,13 +49,17 @@ def free_memory() -> None:
 
 
 def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: str, bandwidth: float,
-                  forward=None, variant: str | None = None) -> dict:
-    """Measure decode throughput of ``model`` at concurrency ``batch``; returns one row of the sweep."""
+                  forward=None, variant: str | None = None, engine_patches=None) -> dict:
+    """Measure decode throughput of ``model`` at concurrency ``batch``; returns one row of the sweep.
+
+    ``engine_patches`` (optiq.patching.Patches) installs recipes that patch the engine itself, e.g. its sampler."""
     device = next(model.parameters()).device
     row = {"variant": variant or mode, "mode": mode, "concurrency": batch}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     engine = DecodeEngine(model, batch, workload.max_len, mode=mode, forward=forward)
+    if engine_patches is not None:
+        engine_patches.attach(engine)
     try:
         generator = torch.Generator().manual_seed(batch)
         prompt = torch.randint(model.config.get_text_config(decoder=True).vocab_size, (batch, workload.prompt_len),
@@ -75,6 +79,8 @@ def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: 
                     engine.step()
             times.append(decode.seconds)
     finally:
+        if engine_patches is not None:
+            engine_patches.detach(engine)
         engine.release()
         del engine
     seconds = statistics.median(times)
@@ -97,7 +103,7 @@ def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: 
 
 
 def sweep(model: torch.nn.Module, concurrencies: list[int], workload: Workload, variants: list[tuple[str, str, object]],
-          bandwidth: float, on_row=None, on_start=None) -> list[dict]:
+          bandwidth: float, on_row=None, on_start=None, engine_patches=None) -> list[dict]:
     """Measure every (variant, concurrency); a concurrency that runs out of memory is recorded and the sweep goes on.
 
     ``variants`` holds ``(name, mode, forward)`` triples; ``on_row(rows)`` runs after each point (to save results as
@@ -109,7 +115,8 @@ def sweep(model: torch.nn.Module, concurrencies: list[int], workload: Workload, 
             if on_start:
                 on_start(name, batch)
             try:
-                row = measure_point(model, batch, workload, mode, bandwidth, forward=forward, variant=name)
+                row = measure_point(model, batch, workload, mode, bandwidth, forward=forward, variant=name,
+                                    engine_patches=engine_patches)
             except Exception as exc:  # noqa: BLE001 - only out-of-memory is recorded; anything else propagates
                 if not is_out_of_memory(exc):
                     raise
@@ -121,6 +128,3 @@ def sweep(model: torch.nn.Module, concurrencies: list[int], workload: Workload, 
                 on_row(rows)
     return rows
 
-
-def workload_dict(workload: Workload) -> dict:
-    return asdict(workload)

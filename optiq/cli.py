@@ -16,9 +16,9 @@ COMMANDS = {
     "profile": ("profile", None, "Profile the decode step; attribute GPU time to op classes and module roles."),
     "analyze": ("analyze", None, "Attribute GPU time in traces captured anywhere (torch.profiler, vLLM, SGLang)."),
     "recipes": ("recipes", None, "List the fusion recipe catalog (and `recipes show NAME`)."),
-    "apply-fusion": (None, 5, "Patch the model with fusion recipes, validate, re-measure, report."),
+    "apply-fusion": ("apply_fusion", None, "Patch the model with fusion recipes, validate, re-measure, report."),
     "bench": ("bench", None, "Decode throughput against concurrency, with the bandwidth floor."),
-    "report": (None, 5, "Render or compare runs."),
+    "report": ("report", None, "Render or compare runs."),
 }
 
 

@@ -54,3 +54,21 @@ def capture(model: torch.nn.Module, batch: int, prompt_len: int, max_len: int, m
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def profile_step(model: torch.nn.Module, batch: int, prompt_len: int, max_len: int, mode: str, directory: Path,
+                 steps: int = PROFILED_STEPS, tag: str = ""):
+    """Capture and read the traces of one concurrency: the annotated eager step, and in graph mode the replay with
+    its kernels aligned to the eager step's. Returns the trace of what is timed (the replay in graph mode)."""
+    from optiq.attribution import align_graph_with_eager
+    from optiq.trace_reader import read_trace
+
+    paths = {m: capture(model, batch, prompt_len, max_len, m, directory / f"trace_{tag}{m}_C{batch}.json.gz", steps)
+             for m in dict.fromkeys(("eager", mode))}
+    timed = eager = read_trace(paths["eager"])
+    if mode == "graph":
+        timed = read_trace(paths["graph"])
+        aligned = align_graph_with_eager(timed, eager)
+        timed.notes.append(f"{aligned} of {int(timed.kernels['graph'].sum())} replayed kernels aligned with the eager "
+                           f"trace of the same batch")
+    return timed

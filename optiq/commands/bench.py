@@ -40,6 +40,32 @@ def results_table(rows: list[dict], title: str) -> Table:
     return table
 
 
+def sweep_with_progress(label: str, model, concurrencies: list[int], workload: Workload, variants, bandwidth: float,
+                        save, rows: list[dict], engine_patches=None) -> list[dict]:
+    """``sweep`` with a progress bar; ``rows`` holds the finished points and ``save(rows)`` runs after each. On Ctrl-C
+    the points so far are saved once more (the interrupt may land between two files of a save) and it propagates."""
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                        TimeElapsedColumn(), console=err, transient=True)
+    with progress:
+        task = progress.add_task(label, total=len(variants) * len(concurrencies))
+
+        def on_start(name, batch):
+            progress.update(task, description=f"{label} {name} C={batch}")
+
+        def on_row(done):
+            rows[:] = done
+            save(done)
+            progress.advance(task)
+
+        try:
+            sweep(model, concurrencies, workload, variants, bandwidth, on_row=on_row, on_start=on_start,
+                  engine_patches=engine_patches)
+        except KeyboardInterrupt:
+            save(rows)
+            raise
+    return rows
+
+
 @click.command()
 @model_options
 @click.option("--concurrency", default="1,16,64", show_default=True, help="Batch sizes to sweep, comma-separated.")
@@ -94,26 +120,12 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
         write_csv(run.path / "results.csv", [{k: v for k, v in r.items() if k != "ms_per_step_repeats"} for r in rows])
 
     rows: list[dict] = []
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                        TimeElapsedColumn(), console=err, transient=True)
-    with progress:
-        task = progress.add_task("bench", total=len(variants) * len(concurrencies))
-
-        def on_start(name, batch):
-            progress.update(task, description=f"{model_spec} {name} C={batch}")
-
-        def on_row(done):
-            rows[:] = done
-            save(done)
-            progress.advance(task)
-
-        try:
-            sweep(model, concurrencies, workload, variants, bandwidth, on_row=on_row, on_start=on_start)
-        except KeyboardInterrupt:
-            save(rows)  # the interrupt may have landed between two files of the last save
-            run.finish("incomplete", points_done=len(rows))
-            err.print(f"interrupted: {len(rows)} point(s) kept in {run.path} (marked incomplete)")
-            raise SystemExit(EXIT_INTERRUPTED) from None
+    try:
+        rows = sweep_with_progress(model_spec, model, concurrencies, workload, variants, bandwidth, save, rows)
+    except KeyboardInterrupt:
+        run.finish("incomplete", points_done=len(rows))
+        err.print(f"interrupted: {len(rows)} point(s) kept in {run.path} (marked incomplete)")
+        raise SystemExit(EXIT_INTERRUPTED) from None
     run.finish("complete", points_done=len(rows))
 
     if as_json:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -33,6 +34,10 @@ def resolve_device_and_mode(device: str | None, mode: str | None):
     resolved = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise OptiqError("--device cuda asked for, but this machine has no CUDA device")
+    if resolved.type == "cpu":
+        # Triton compiles only for GPUs; on the CPU the fusions run under its interpreter, which must be chosen
+        # before triton is first imported (transformers' masking and modeling utilities import it): call this first.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     mode = mode or ("graph" if resolved.type == "cuda" else "eager")
     if mode == "graph" and resolved.type != "cuda":
         raise OptiqError("--mode graph needs a CUDA device; use --mode eager on the CPU")

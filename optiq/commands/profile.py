@@ -34,16 +34,15 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
     when the nvtx package is installed). The run directory keeps each trace (.json.gz) and attribution (JSON, CSV).
     Each concurrency ends with proposals: the catalog's recipes ranked by the GPU time they would replace.
     """
-    from optiq.attribution import align_graph_with_eager, attribute, weighted_kernels
+    from optiq.attribution import attribute, weighted_kernels
     from optiq.bench import Workload, free_memory
     from optiq.commands.analyze import document, render
     from optiq.commands.bench import environment
     from optiq.models import default_dtype, default_preset, load_model, resolve_dtype
-    from optiq.profiling import capture
+    from optiq.profiling import profile_step
     from optiq.proposals import propose
     from optiq.recipes import load_catalog
     from optiq.rundir import RunDir, write_csv, write_json
-    from optiq.trace_reader import read_trace
 
     device, mode = resolve_device_and_mode(device, mode)
     catalog = load_catalog(recipes_dir)
@@ -65,14 +64,7 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
     try:
         for batch in concurrencies:
             with err.status(f"profiling {model_spec} C={batch} ({mode})"):
-                traces = {m: capture(model, batch, prompt_len, max_len, m, run.path / f"trace_{m}_C{batch}.json.gz",
-                                     steps) for m in dict.fromkeys(("eager", mode))}
-                eager = timed = read_trace(traces["eager"])
-                if mode == "graph":
-                    timed = read_trace(traces["graph"])
-                    aligned = align_graph_with_eager(timed, eager)
-                    timed.notes.append(f"{aligned} of {int(timed.kernels['graph'].sum())} replayed kernels aligned "
-                                       f"with the eager trace of the same batch")
+                timed = profile_step(model, batch, prompt_len, max_len, mode, run.path, steps)
                 attribution = attribute([timed], by, top)
                 proposals = propose(catalog, weighted_kernels([timed]), model.config.model_type)
             doc = {"concurrency": batch, "mode": mode, **document(attribution, [timed]),

@@ -1,0 +1,210 @@
+"""``optiq apply-fusion``: patch the model with recipes, prove it still computes the same function, re-measure decode
+throughput against concurrency, and write the before/after report."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import click
+from rich.table import Table
+
+from optiq.commands.common import err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode
+from optiq.commands.recipes import recipes_dir_option
+from optiq.errors import EXIT_GATE_REJECTED_ALL, EXIT_INTERRUPTED, OptiqError
+
+PROFILED_STEPS = 2
+
+
+def choose_recipes(requested: str, catalog: dict, proposals: dict[int, list], min_share: float) -> list[str]:
+    """``auto``: every proposal covering at least ``min_share`` % of the step at some concurrency, largest first;
+    otherwise the named recipes, which must exist."""
+    if requested != "auto":
+        names = [n.strip() for n in requested.split(",") if n.strip()]
+        unknown = [n for n in names if n not in catalog]
+        if unknown:
+            raise OptiqError(f"unknown recipe(s) {', '.join(unknown)}; the catalog has: {', '.join(catalog)}")
+        return names
+    best: dict[str, float] = {}
+    for found in proposals.values():
+        for p in found:
+            best[p.recipe] = max(best.get(p.recipe, 0.0), p.covered_pct)
+    return [name for name, share in sorted(best.items(), key=lambda item: -item[1]) if share >= min_share]
+
+
+def summary_table(report: dict) -> Table:
+    """Before/after decode throughput per concurrency, next to torch.compile and the floor."""
+    def by_c(rows, prefix):
+        return {r["concurrency"]: r for r in rows if r["variant"].startswith(prefix) and r["status"] == "ok"}
+
+    before = by_c(report["before"]["rows"], report["mode"])
+    compiled = by_c(report["before"]["rows"], "compile+")
+    after = by_c(report["after"]["rows"], report["mode"])
+    table = Table(title=f"{report['model']} · {report['mode']} · applied: {', '.join(report['applied']) or 'none'}")
+    for column in ("C", "before tok/s", "after tok/s", "speed-up", "compile tok/s", "after / compile", "% of floor"):
+        table.add_column(column, justify="right")
+    for c in report["concurrency"]:
+        b, a, k = before.get(c), after.get(c), compiled.get(c)
+        table.add_row(str(c), f"{b['tok_per_s']:,.1f}" if b else "-", f"{a['tok_per_s']:,.1f}" if a else "-",
+                      f"{a['tok_per_s'] / b['tok_per_s']:.2f}x" if a and b else "-",
+                      f"{k['tok_per_s']:,.1f}" if k else "-", f"{a['tok_per_s'] / k['tok_per_s']:.2f}x" if a and k else "-",
+                      f"{a['pct_of_floor']:.1f}" if a else "-")
+    return table
+
+
+def gate_table(report: dict) -> Table:
+    table = Table(title="validation gate")
+    for column in ("recipe", "result", "tolerance", "err fused", "err unfused", "bound", "reason"):
+        table.add_column(column, overflow="fold")
+    for name, r in report["gate"]["recipes"].items():
+        table.add_row(name, "[green]kept[/green]" if r["passed"] else "[red]rolled back[/red]", r["tolerance"],
+                      f"{r['err_fused']:.3g}", f"{r['err_unfused']:.3g}", f"{r['bound']:.3g}", r["reason"])
+    for name, reason in report["not_applicable"].items():
+        table.add_row(name, "not applicable", "", "", "", "", reason)
+    return table
+
+
+@click.command(name="apply-fusion")
+@model_options
+@click.option("--recipes", "requested", default="auto", show_default=True,
+              help="auto (the proposals of a fresh profile) or recipe names, comma-separated.")
+@recipes_dir_option
+@click.option("--concurrency", default="1,16,64", show_default=True, help="Batch sizes, comma-separated.")
+@click.option("--prompt-len", default=512, show_default=True, help="Random prompt tokens per sequence.")
+@click.option("--new-tokens", default=128, show_default=True, help="Decode steps timed per repeat.")
+@click.option("--max-len", default=1024, show_default=True, help="Static KV-cache length.")
+@click.option("--repeats", default=3, show_default=True, help="Timed repeats; the median is reported.")
+@click.option("--mode", type=click.Choice(["eager", "graph"]), default=None,
+              help="eager, or graph: one CUDA graph per concurrency (default on CUDA).")
+@click.option("--compare", type=click.Choice(["compile"]), default=None,
+              help="Also measure torch.compile of the unpatched model, the peer a user would pick instead.")
+@click.option("--gate-steps", default=64, show_default=True, type=click.IntRange(1),
+              help="Teacher-forced decode steps of the end-to-end check, at every concurrency.")
+@click.option("--min-share", default=0.5, show_default=True,
+              help="auto: take proposals that cover at least this % of the step at some concurrency.")
+@click.option("--runs-dir", default="runs", show_default=True, help="Where the run directory is created.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
+def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency, prompt_len, new_tokens, max_len,
+                 repeats, mode, compare, gate_steps, min_share, runs_dir, as_json):
+    """Patch the model with fusion recipes, validate them, re-measure throughput against concurrency, and report.
+
+    \b
+    Each recipe must pass the validation gate: its fused path, run on the real inputs of a decode step, may be no
+    less accurate against a float64 reference than the original path (by its tolerance class's factor), and the
+    patched model's logits over --gate-steps teacher-forced steps must stay within the set's bound of an fp32
+    reference. A recipe that fails is rolled back and reported; the others stay. Writes report.json, report.md and
+    report.html (plotly, self-contained) into a new run directory. Exit code 3 when the gate rejects every recipe.
+    """
+    device, mode = resolve_device_and_mode(device, mode)  # first: it picks Triton's interpreter on the CPU
+    from optiq.attribution import attribute, weighted_kernels
+    from optiq.bench import Workload, compiled_forward, free_memory
+    from optiq.commands.bench import environment, sweep_with_progress
+    from optiq.models import default_dtype, default_preset, load_model, resolve_dtype
+    from optiq.patching import apply
+    from optiq.profiling import profile_step
+    from optiq.proposals import propose
+    from optiq.recipes import load_catalog
+    from optiq.roofline import copy_bandwidth
+    from optiq.rundir import RunDir, write_json
+    from optiq.validation import validate
+
+    catalog = load_catalog(recipes_dir)
+    model_spec = model_spec or default_preset(device)
+    workload = Workload(prompt_len, new_tokens, max_len, repeats)
+    try:
+        workload.check()
+    except ValueError as exc:
+        raise OptiqError(str(exc)) from None
+    concurrencies = parse_concurrency(concurrency)
+    if requested != "auto":
+        choose_recipes(requested, catalog, {}, min_share)  # unknown names fail before any work
+    torch_dtype = resolve_dtype(dtype or default_dtype(device), device)
+    args = dict(model=model_spec, dtype=str(torch_dtype).removeprefix("torch."), recipes=requested, mode=mode,
+                concurrency=concurrencies, compare=compare, gate_steps=gate_steps, **workload.__dict__)
+    run = RunDir(runs_dir, "apply-fusion", args)
+    report = {"model": model_spec, "dtype": args["dtype"], "mode": mode, "status": "running",
+              "environment": environment(device), "workload": dict(workload.__dict__), "concurrency": concurrencies,
+              "recipes_requested": requested.split(","), "proposals": {}, "applied": [], "not_applicable": {},
+              "rolled_back": [], "gate": {"recipes": {}, "end_to_end": []}, "before": {"rows": []},
+              "after": {"rows": []}, "attribution_before": {}, "attribution_after": {}, "timings": {}}
+
+    def save():
+        write_json(run.path / "report.json", report)
+
+    def profile_all(key: str, tag: str) -> dict[int, object]:
+        timed = {}
+        for batch in concurrencies:
+            with err.status(f"profiling {model_spec} C={batch} ({tag})"):
+                trace = profile_step(model, batch, prompt_len, max_len, mode, run.path, PROFILED_STEPS, tag + "_")
+            attribution = attribute([trace], "class")
+            report[key][str(batch)] = {"summary": attribution.summary,
+                                       "table": attribution.table.to_dict(orient="records")}
+            timed[batch] = trace
+            save()
+            free_memory()
+        return timed
+
+    def measure(key: str, variants, engine_patches=None):
+        def save_rows(rows):
+            report[key]["rows"] = rows
+            save()
+
+        sweep_with_progress(f"{model_spec} {key}", model, concurrencies, workload, variants, bandwidth, save_rows,
+                            report[key]["rows"], engine_patches=engine_patches)
+
+    try:
+        save()
+        with err.status(f"loading {model_spec}"):
+            model = load_model(model_spec, torch_dtype, device)
+        bandwidth = copy_bandwidth(device)
+        before = profile_all("attribution_before", "before")
+        proposals = {c: propose(catalog, weighted_kernels([t]), model.config.model_type) for c, t in before.items()}
+        report["proposals"] = {str(c): [asdict(p) for p in found] for c, found in proposals.items()}
+        names = choose_recipes(requested, catalog, proposals, min_share)
+        if not names:
+            raise OptiqError(f"no recipe to apply: no proposal covers {min_share}% of the step")
+        variants = [(mode, mode, None)]
+        if compare == "compile":
+            variants.append((f"compile+{mode}", mode, compiled_forward(model)))
+        measure("before", variants)
+
+        started = time.perf_counter()
+        patches = apply(model, [catalog[n] for n in names])
+        report["timings"]["patch_s"] = time.perf_counter() - started
+        report["not_applicable"] = dict(patches.not_applicable)
+        started = time.perf_counter()
+        with err.status(f"validating {', '.join(patches.applied)}"):
+            gate = validate(patches, concurrencies=tuple(concurrencies), steps=gate_steps,
+                            prompt_len=min(prompt_len, max_len - gate_steps - 1))
+        report["timings"]["gate_s"] = time.perf_counter() - started
+        report["gate"] = {"recipes": {n: asdict(r) for n, r in gate.recipes.items()},
+                          "end_to_end": [asdict(e) for e in gate.end_to_end]}
+        report["rolled_back"], report["applied"] = gate.rolled_back, list(patches.applied)
+        save()
+        if patches.applied:
+            measure("after", [(mode, mode, None)], engine_patches=patches)
+            report["timings"]["capture_s"] = sum(r.get("warmup_s", 0.0) for r in report["after"]["rows"])
+            profile_all("attribution_after", "after")
+        report["status"] = "complete" if patches.applied else "rejected"
+    except OptiqError:
+        report["status"] = "failed"
+        save()
+        run.finish("failed")
+        raise
+    except KeyboardInterrupt:
+        report["status"] = "incomplete"
+        save()
+        run.finish("incomplete")
+        err.print(f"interrupted: what was measured is in {run.path} (marked incomplete)")
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    save()
+    run.finish(report["status"])
+
+    if as_json:
+        print_json({"run_dir": str(run.path), **report})
+    else:
+        out.print(gate_table(report))
+        out.print(summary_table(report))
+        out.print(f"run directory: {run.path}")
+    if report["status"] == "rejected":
+        raise SystemExit(EXIT_GATE_REJECTED_ALL)
