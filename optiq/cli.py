@@ -11,26 +11,15 @@ import click
 from optiq import __version__
 from optiq.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, OptiqError
 
-# name -> (module in optiq.commands, one-line help shown by `optiq --help`); None = not implemented yet (issue N).
+# name -> (module in optiq.commands holding a command of that module's name, one-line help for `optiq --help`).
 COMMANDS = {
-    "profile": ("profile", None, "Profile the decode step; attribute GPU time to op classes and module roles."),
-    "analyze": ("analyze", None, "Attribute GPU time in traces captured anywhere (torch.profiler, vLLM, SGLang)."),
-    "recipes": ("recipes", None, "List the fusion recipe catalog (and `recipes show NAME`)."),
-    "apply-fusion": ("apply_fusion", None, "Patch the model with fusion recipes, validate, re-measure, report."),
-    "bench": ("bench", None, "Decode throughput against concurrency, with the bandwidth floor."),
-    "report": ("report", None, "Render or compare runs."),
+    "profile": ("profile", "Profile the decode step; attribute GPU time to op classes and module roles."),
+    "analyze": ("analyze", "Attribute GPU time in traces captured anywhere (torch.profiler, vLLM, SGLang)."),
+    "recipes": ("recipes", "List the fusion recipe catalog (and `recipes show NAME`)."),
+    "apply-fusion": ("apply_fusion", "Patch the model with fusion recipes, validate, re-measure, report."),
+    "bench": ("bench", "Decode throughput against concurrency, with the bandwidth floor."),
+    "report": ("report", "Render or compare runs."),
 }
-
-
-def _planned(name: str, issue: int, summary: str) -> click.Command:
-    """A command of the design whose implementation has not landed yet: it says so and exits 1."""
-
-    @click.command(name=name, help=f"{summary} (not implemented yet: issue {issue}).",
-                   context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-    def command():
-        raise OptiqError(f"`optiq {name}` is not implemented yet (issue {issue})")
-
-    return command
 
 
 class OptiqGroup(click.Group):
@@ -40,14 +29,12 @@ class OptiqGroup(click.Group):
     def get_command(self, ctx, name):
         if name not in COMMANDS:
             return None
-        module, issue, summary = COMMANDS[name]
-        if module is None:
-            return _planned(name, issue, summary)
+        module = COMMANDS[name][0]
         return getattr(importlib.import_module(f"optiq.commands.{module}"), module)
 
     def format_commands(self, ctx, formatter):
         with formatter.section("Commands"):
-            formatter.write_dl([(name, summary) for name, (_, _, summary) in COMMANDS.items()])
+            formatter.write_dl([(name, summary) for name, (_, summary) in COMMANDS.items()])
 
     def invoke(self, ctx):
         try:

@@ -77,11 +77,6 @@ def test_graph_mode_without_cuda_is_a_clear_error(tmp_path):
     assert result.exit_code == 1 and "needs a CUDA device" in result.stderr
 
 
-def test_planned_commands_say_so():
-    result = run_cli("report")
-    assert result.exit_code == 1 and "not implemented yet" in result.stderr
-
-
 def test_python_dash_m_entry_point(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "optiq", "bench", *FAST, "--concurrency", "1", "--json",
                            "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)

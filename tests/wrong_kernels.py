@@ -11,7 +11,6 @@ from fusions.rmsnorm import rmsnorm_reference
 from fusions.rope import rope_reference
 
 
-
 def user_recipe(directory: Path, base: str, name: str, **fields: str):
     """A user recipe file in ``directory``: the built-in ``base`` renamed, with top-level or [patch] string fields
     replaced (``with_`` for ``with``); returns it as the catalog loads it."""

@@ -7,8 +7,6 @@ import time
 from dataclasses import asdict
 
 import click
-from rich.table import Table
-
 from optiq.commands.common import err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode
 from optiq.commands.recipes import recipes_dir_option
 from optiq.errors import EXIT_GATE_REJECTED_ALL, EXIT_INTERRUPTED, OptiqError
@@ -30,38 +28,6 @@ def choose_recipes(requested: str, catalog: dict, proposals: dict[int, list], mi
         for p in found:
             best[p.recipe] = max(best.get(p.recipe, 0.0), p.covered_pct)
     return [name for name, share in sorted(best.items(), key=lambda item: -item[1]) if share >= min_share]
-
-
-def summary_table(report: dict) -> Table:
-    """Before/after decode throughput per concurrency, next to torch.compile and the floor."""
-    def by_c(rows, prefix):
-        return {r["concurrency"]: r for r in rows if r["variant"].startswith(prefix) and r["status"] == "ok"}
-
-    before = by_c(report["before"]["rows"], report["mode"])
-    compiled = by_c(report["before"]["rows"], "compile+")
-    after = by_c(report["after"]["rows"], report["mode"])
-    table = Table(title=f"{report['model']} · {report['mode']} · applied: {', '.join(report['applied']) or 'none'}")
-    for column in ("C", "before tok/s", "after tok/s", "speed-up", "compile tok/s", "after / compile", "% of floor"):
-        table.add_column(column, justify="right")
-    for c in report["concurrency"]:
-        b, a, k = before.get(c), after.get(c), compiled.get(c)
-        table.add_row(str(c), f"{b['tok_per_s']:,.1f}" if b else "-", f"{a['tok_per_s']:,.1f}" if a else "-",
-                      f"{a['tok_per_s'] / b['tok_per_s']:.2f}x" if a and b else "-",
-                      f"{k['tok_per_s']:,.1f}" if k else "-", f"{a['tok_per_s'] / k['tok_per_s']:.2f}x" if a and k else "-",
-                      f"{a['pct_of_floor']:.1f}" if a else "-")
-    return table
-
-
-def gate_table(report: dict) -> Table:
-    table = Table(title="validation gate")
-    for column in ("recipe", "result", "tolerance", "err fused", "err unfused", "bound", "reason"):
-        table.add_column(column, overflow="fold")
-    for name, r in report["gate"]["recipes"].items():
-        table.add_row(name, "[green]kept[/green]" if r["passed"] else "[red]rolled back[/red]", r["tolerance"],
-                      f"{r['err_fused']:.3g}", f"{r['err_unfused']:.3g}", f"{r['bound']:.3g}", r["reason"])
-    for name, reason in report["not_applicable"].items():
-        table.add_row(name, "not applicable", "", "", "", "", reason)
-    return table
 
 
 @click.command(name="apply-fusion")
@@ -106,6 +72,8 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
     from optiq.recipes import load_catalog
     from optiq.roofline import copy_bandwidth
     from optiq.rundir import RunDir, write_json
+    from optiq.commands.report import rich_table
+    from optiq.report import gate_table, headline_table, write_report
     from optiq.validation import validate
 
     catalog = load_catalog(recipes_dir)
@@ -198,13 +166,16 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
         err.print(f"interrupted: what was measured is in {run.path} (marked incomplete)")
         raise SystemExit(EXIT_INTERRUPTED) from None
     save()
+    written = write_report(run.path, report)
     run.finish(report["status"])
 
     if as_json:
         print_json({"run_dir": str(run.path), **report})
     else:
-        out.print(gate_table(report))
-        out.print(summary_table(report))
-        out.print(f"run directory: {run.path}")
+        out.print(rich_table(gate_table(report)))
+        out.print(rich_table(headline_table(report)))
+        out.print(f"run directory: {run.path} (report.json, {', '.join(p.name for p in written.paths)})")
+    if written.note:
+        err.print(f"note: {written.note}")
     if report["status"] == "rejected":
         raise SystemExit(EXIT_GATE_REJECTED_ALL)

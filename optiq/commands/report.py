@@ -1,0 +1,80 @@
+"""``optiq report``: re-render a run's report from its report.json, or compare two runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.table import Table as RichTable
+
+from optiq.commands.common import err, out, print_json
+from optiq.report import (Table, Written, compare_document, compare_runs, gate_table, headline, headline_table,
+                          load_report, write_document, write_report)
+
+
+def rich_table(table: Table) -> RichTable:
+    """A report table for the terminal: numeric columns right-aligned, text folded rather than cut."""
+    rich = RichTable(title=table.title, caption=table.note or None)
+    for i, column in enumerate(table.columns):
+        numeric = all(row[i][:1].isdigit() or row[i][:1] in "—-+" for row in table.rows if row[i])
+        rich.add_column(column, justify="right" if numeric else "left", overflow="fold")
+    for row in table.rows:
+        rich.add_row(*row)
+    return rich
+
+
+def _written(written: Written) -> str:
+    if written.note:
+        err.print(f"note: {written.note}", soft_wrap=True)
+    return ", ".join(map(str, written.paths))
+
+
+@click.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Comparing two runs: also write compare.md and compare.html here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the numbers as one JSON document.")
+def report(runs, out_dir, as_json):
+    """Render or compare apply-fusion runs.
+
+    \b
+    optiq report RUN            re-render RUN/report.md and RUN/report.html from RUN/report.json
+    optiq report RUN_A RUN_B    compare two runs: tok/s per concurrency, GPU ms/step per op class
+
+    Each run is compared in the state it ended with: the patched model when it was re-measured, else as it was.
+    The HTML is self-contained (plotly.js inlined); without plotly only the Markdown is written.
+    """
+    if len(runs) > 2:
+        raise click.UsageError("give one run directory to render, or two to compare")
+    if len(runs) == 1 and out_dir is not None:
+        raise click.UsageError("--out is for comparing two runs; a run's own report is written into the run")
+    reports = [load_report(run) for run in runs]
+    if len(runs) == 1:
+        _render(runs[0], reports[0], as_json)
+    else:
+        _compare(runs, reports, out_dir, as_json)
+
+
+def _render(run: Path, doc: dict, as_json: bool) -> None:
+    written = _written(write_report(run, doc))
+    if as_json:
+        print_json({"run_dir": str(run), "status": doc.get("status"), "headline": headline(doc), "written": written})
+        return
+    out.print(rich_table(headline_table(doc)))
+    out.print(rich_table(gate_table(doc)))
+    out.print(f"status: {doc.get('status', '?')} · written: {written}")
+
+
+def _compare(runs: tuple[Path, Path], reports: list[dict], out_dir: Path | None, as_json: bool) -> None:
+    (a, b), (name_a, name_b) = reports, (runs[0].name, runs[1].name)
+    doc = compare_document(a, b, name_a, name_b)
+    written = ""
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        written = _written(write_document(out_dir, "compare", doc))
+    if as_json:
+        print_json({"run_a": str(runs[0]), "run_b": str(runs[1]), **compare_runs(a, b), "written": written})
+        return
+    for table in doc.tables:
+        out.print(rich_table(table))
+    out.print(f"A = {runs[0]}, B = {runs[1]}" + (f" · written: {written}" if written else ""))

@@ -1,0 +1,447 @@
+"""The before/after report of ``optiq apply-fusion`` and the comparison of two runs, rendered from ``report.json``.
+
+Everything here is a pure function of the report documents, so a report can be re-rendered at any time from the run
+directory alone. A report is first built as a :class:`Document` (facts, tables, plot descriptions); Markdown and HTML
+are two renderings of the same document, so they never disagree. Only the HTML needs plotly, imported when rendering:
+without it the Markdown is still written and the HTML is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from optiq.errors import OptiqError
+from optiq.rundir import write_atomic
+
+REPORT_FILE = "report.json"
+STACK_CLASSES = 8  # op classes drawn in the stacked bars; the rest are summed as "other"
+
+
+@dataclass
+class Table:
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+    note: str = ""
+
+
+@dataclass
+class Lines:
+    """Values against concurrency, one line per series, log-log; ``dash`` tells measurements from references."""
+
+    title: str
+    y_title: str
+    series: list[tuple[str, dict[int, float], str]]  # (name, {concurrency: value}, "solid" | "dash" | "dot")
+
+    @property
+    def empty(self) -> bool:
+        return not any(values for _, values, _ in self.series)
+
+
+@dataclass
+class Stack:
+    """GPU ms/step by op class, one stacked bar per (concurrency, state)."""
+
+    title: str
+    bars: list[tuple[str, str, dict[str, float]]]  # (concurrency label, state label, {op class: ms/step})
+
+    @property
+    def empty(self) -> bool:
+        return not self.bars
+
+
+@dataclass
+class Document:
+    title: str
+    facts: list[tuple[str, str]]
+    tables: list[Table]
+    plots: list[Lines | Stack] = field(default_factory=list)
+
+
+# --- reading -------------------------------------------------------------------------------------------------------
+
+def load_report(run_dir: Path | str) -> dict:
+    """The run's report.json; anything else is a one-line user error."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise OptiqError(f"{run_dir} is not a directory")
+    path = run_dir / REPORT_FILE
+    if not path.is_file():
+        raise OptiqError(f"{run_dir} has no {REPORT_FILE} (is it an apply-fusion run directory?)")
+    try:
+        report = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OptiqError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(report, dict):
+        raise OptiqError(f"{path} is not a report: expected a JSON object")
+    return report
+
+
+def _rows(report: dict, state: str, compiled: bool = False) -> dict[int, dict]:
+    """One bench row per concurrency: the model's own rows, or torch.compile's peer rows."""
+    rows = (report.get(state) or {}).get("rows") or []
+    return {r["concurrency"]: r for r in rows if r.get("variant", "").startswith("compile+") == compiled}
+
+
+def _ok(row: dict | None, key: str):
+    """A row's number, "oom" for a point that ran out of memory, None when not measured."""
+    if row is None:
+        return None
+    return row.get(key) if row.get("status") == "ok" else row.get("status")
+
+
+def _floor(concurrency: int, *row_maps: dict[int, dict]):
+    """The bandwidth floor in tok/s, from the first run that measured this concurrency (it is the same for all)."""
+    return next((rows[concurrency]["floor_tok_per_s"] for rows in row_maps
+                 if rows.get(concurrency, {}).get("status") == "ok"), None)
+
+
+def _concurrencies(report: dict) -> list[int]:
+    measured = {c for state in ("before", "after") for compiled in (False, True)
+                for c in _rows(report, state, compiled)}
+    return sorted(set(report.get("concurrency") or []) | measured)
+
+
+def _ratio(num, den):
+    return num / den if isinstance(num, (int, float)) and isinstance(den, (int, float)) and den else None
+
+
+def _op_classes(attribution: dict | None, concurrency: int) -> dict[str, float]:
+    table = (attribution or {}).get(str(concurrency), {}).get("table") or []
+    return {row["label"]: row["gpu_ms_per_step"] for row in table}
+
+
+def _kernels(attribution: dict | None, concurrency: int):
+    return (attribution or {}).get(str(concurrency), {}).get("summary", {}).get("kernels_per_step")
+
+
+# --- the numbers ---------------------------------------------------------------------------------------------------
+
+def headline(report: dict) -> list[dict]:
+    """Per concurrency: before, after, torch.compile and floor tok/s (None: not measured, "oom": out of memory)."""
+    before, after, compiled = _rows(report, "before"), _rows(report, "after"), _rows(report, "before", compiled=True)
+    result = []
+    for c in _concurrencies(report):
+        b, a, t = _ok(before.get(c), "tok_per_s"), _ok(after.get(c), "tok_per_s"), _ok(compiled.get(c), "tok_per_s")
+        result.append({"concurrency": c, "before_tok_per_s": b, "after_tok_per_s": a, "speedup": _ratio(a, b),
+                       "compile_tok_per_s": t, "after_vs_compile": _ratio(a, t),
+                       "floor_tok_per_s": _floor(c, before, after),
+                       "after_pct_of_floor": _ok(after.get(c), "pct_of_floor")})
+    return result
+
+
+def savings(report: dict) -> dict:
+    """Predicted saving per applied recipe, and the applied set's measured saving, per concurrency.
+
+    The recipes run together in one patched model, so only the set's saving is measured; per recipe there is only the
+    profile's prediction (the time it covers, an upper bound).
+    """
+    before, after = _rows(report, "before"), _rows(report, "after")
+    proposals = report.get("proposals") or {}
+    predicted = {recipe: {} for recipe in report.get("applied") or []}
+    measured_ms, kernels_removed = {}, {}
+    for c in _concurrencies(report):
+        for p in proposals.get(str(c)) or []:
+            if p["recipe"] in predicted:
+                predicted[p["recipe"]][c] = p["covered_ms_per_step"]
+        b, a = _ok(before.get(c), "ms_per_step"), _ok(after.get(c), "ms_per_step")
+        measured_ms[c] = b - a if isinstance(b, (int, float)) and isinstance(a, (int, float)) else None
+        kb, ka = _kernels(report.get("attribution_before"), c), _kernels(report.get("attribution_after"), c)
+        kernels_removed[c] = kb - ka if kb is not None and ka is not None else None
+    return {"predicted_ms_per_step": predicted, "measured_ms_per_step": measured_ms,
+            "kernels_removed_per_step": kernels_removed}
+
+
+def _final_state(report: dict) -> str:
+    """What a run ended with: the patched model when it was re-measured, else the model as it was."""
+    return "after" if _rows(report, "after") else "before"
+
+
+def compare_runs(a: dict, b: dict) -> dict:
+    """Run B against run A at every concurrency either measured: tok/s and GPU ms/step per op class."""
+    state_a, state_b = _final_state(a), _final_state(b)
+    rows_a, rows_b = _rows(a, state_a), _rows(b, state_b)
+    concurrencies = sorted(set(_concurrencies(a)) | set(_concurrencies(b)))
+    throughput, op_classes = [], []
+    for c in concurrencies:
+        ta, tb = _ok(rows_a.get(c), "tok_per_s"), _ok(rows_b.get(c), "tok_per_s")
+        throughput.append({"concurrency": c, "tok_per_s_a": ta, "tok_per_s_b": tb, "ratio": _ratio(tb, ta),
+                           "floor_tok_per_s": _floor(c, rows_a, rows_b)})
+        ca, cb = _op_classes(a.get(f"attribution_{state_a}"), c), _op_classes(b.get(f"attribution_{state_b}"), c)
+        for label in sorted(ca.keys() | cb.keys(), key=lambda k: -max(ca.get(k, 0), cb.get(k, 0))):
+            # A class missing from a profiled step took no time there; without a profile it is unknown.
+            ms_a, ms_b = ca.get(label, 0.0) if ca else None, cb.get(label, 0.0) if cb else None
+            op_classes.append({"concurrency": c, "label": label, "gpu_ms_per_step_a": ms_a, "gpu_ms_per_step_b": ms_b,
+                               "delta_ms": ms_b - ms_a if ca and cb else None})
+    return {"state_a": state_a, "state_b": state_b, "throughput": throughput, "op_classes": op_classes}
+
+
+# --- formatting ----------------------------------------------------------------------------------------------------
+
+def _fmt(value, spec: str = ",.1f", suffix: str = "") -> str:
+    """A table cell: numbers formatted, "oom" kept, not measured as a dash."""
+    if isinstance(value, str):
+        return value
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return f"{value:{spec}}{suffix}"
+
+
+def _c_label(concurrency: int) -> str:
+    return f"C={concurrency}"
+
+
+def headline_table(report: dict) -> Table:
+    rows = [[str(h["concurrency"]), _fmt(h["before_tok_per_s"]), _fmt(h["after_tok_per_s"]),
+             _fmt(h["speedup"], ".2f", "×"), _fmt(h["compile_tok_per_s"]), _fmt(h["after_vs_compile"], ".2f", "×"),
+             _fmt(h["floor_tok_per_s"]), _fmt(h["after_pct_of_floor"])] for h in headline(report)]
+    return Table("Decode throughput", ["C", "before tok/s", "after tok/s", "speed-up", "torch.compile tok/s",
+                                       "after / compile", "floor tok/s", "after % of floor"], rows,
+                 "speed-up = after / before; floor = the bytes a step must read over the copy bandwidth")
+
+
+def gate_table(report: dict) -> Table:
+    """One row per recipe the run considered, with the gate's numbers where it ran."""
+    gate = (report.get("gate") or {}).get("recipes") or {}
+    not_applicable = report.get("not_applicable") or {}
+    applied, rolled_back = report.get("applied") or [], report.get("rolled_back") or []
+    rows = []
+    for recipe in dict.fromkeys([*applied, *rolled_back, *gate, *not_applicable]):
+        g = gate.get(recipe, {})
+        status = ("applied" if recipe in applied else "rolled back" if recipe in rolled_back
+                  else "not applicable" if recipe in not_applicable else "not applied")
+        reason = g.get("reason") or not_applicable.get(recipe, "")
+        rows.append([recipe, status, g.get("tolerance", ""), _fmt(g.get("calls"), "d"), _fmt(g.get("err_fused"), ".2e"),
+                     _fmt(g.get("err_unfused"), ".2e"), _fmt(g.get("bound"), ".2e"), reason])
+    return Table("Validation gate: per recipe", ["recipe", "status", "tolerance", "calls", "err fused",
+                                                 "err unfused", "bound", "reason"], rows,
+                 "err = relative error against a float64 run of the unfused path, at the worst call")
+
+
+def end_to_end_table(report: dict) -> Table:
+    rows = [[str(e["concurrency"]), str(e["steps"]), "passed" if e["passed"] else "failed", _fmt(e["rel_err"], ".2e"),
+             _fmt(e["rel_err_unpatched"], ".2e"), _fmt(e["bound"], ".2e"), _fmt(e["top1"], ".3f"),
+             _fmt(e["top1_unpatched"], ".3f"), _fmt(e["min_top1"], ".3f"), ", ".join(e["recipes"])]
+            for e in (report.get("gate") or {}).get("end_to_end") or []]
+    return Table("Validation gate: end to end", ["C", "steps", "result", "logits rel err", "unpatched rel err",
+                                                 "bound", "top-1", "unpatched top-1", "min top-1", "recipes"], rows,
+                 "teacher-forced greedy decode against a higher-precision reference")
+
+
+def proposals_table(report: dict) -> Table:
+    proposals = report.get("proposals") or {}
+    rows = [[c, str(rank), p["recipe"], _fmt(p["covered_ms_per_step"], ".3f"), _fmt(p["covered_pct"]),
+             _fmt(p["kernels_per_step"], ".0f"), p.get("where", "")]
+            for c in sorted(proposals, key=int) for rank, p in enumerate(proposals[c], 1)]
+    return Table("Proposals of the profile", ["C", "#", "recipe", "up to ms/step", "% of step", "kernels/step",
+                                              "replaces"], rows,
+                 "a proposal's saving is the time the recipe covers: an upper bound")
+
+
+def savings_table(report: dict) -> Table:
+    s, concurrencies = savings(report), _concurrencies(report)
+    predicted = s["predicted_ms_per_step"]
+    rows = [[f"predicted: {recipe} (ms/step)", *[_fmt(covered.get(c), ".3f") for c in concurrencies]]
+            for recipe, covered in predicted.items()]
+    if len(predicted) > 1:
+        rows.append(["predicted: applied set (ms/step)",
+                     *[_fmt(sum(v[c] for v in predicted.values() if c in v) if any(c in v for v in predicted.values())
+                           else None, ".3f") for c in concurrencies]])
+    rows.append(["measured: time saved (ms/step, before − after)",
+                 *[_fmt(s["measured_ms_per_step"][c], ".3f") for c in concurrencies]])
+    rows.append(["measured: kernels removed per step (profiled)",
+                 *[_fmt(s["kernels_removed_per_step"][c], ",.0f") for c in concurrencies]])
+    return Table("Savings: predicted per recipe, measured for the applied set", ["", *map(_c_label, concurrencies)],
+                 rows, "the applied recipes run together in one model, so their measured savings are not separable: "
+                       "the measured rows are the whole set's")
+
+
+def _series(rows: dict[int, dict], key: str) -> dict[int, float]:
+    return {c: r[key] for c, r in rows.items() if r.get("status") == "ok" and r.get(key) is not None}
+
+
+def _throughput_plots(runs: list[tuple[str, dict[int, dict], str]], floor_name: str,
+                      reference: dict[int, dict]) -> list[Lines]:
+    """tok/s and ms/step against concurrency for each run, with the bandwidth floor of ``reference`` as a line."""
+    return [Lines(title, y_title, [(name, _series(rows, key), dash) for name, rows, dash in runs]
+                  + [(floor_name, _series(reference, floor), "dot")])
+            for title, y_title, key, floor in (
+                ("Decode throughput against concurrency", "tok/s", "tok_per_s", "floor_tok_per_s"),
+                ("Decode step time against concurrency", "ms/step", "ms_per_step", "floor_ms_per_step"))]
+
+
+def _stack(title: str, states: list[tuple[str, dict]], concurrencies: list[int]) -> Stack:
+    return Stack(title, [(_c_label(c), label, _op_classes(attribution, c))
+                         for c in concurrencies for label, attribution in states if _op_classes(attribution, c)])
+
+
+def _describe(report: dict) -> str:
+    return (f"{report.get('model', '?')} · {report.get('dtype', '?')} · {report.get('mode', '?')} · "
+            f"{(report.get('environment') or {}).get('device', '?')}")
+
+
+STATUS_NOTE = {"complete": "complete",
+               "incomplete": "incomplete: interrupted, the numbers are those measured before the interruption",
+               "rejected": "rejected: the validation gate rejected every recipe; the model was not re-measured"}
+
+
+def report_document(report: dict) -> Document:
+    env, work = report.get("environment") or {}, report.get("workload") or {}
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "cuda", "python", "optiq") if env.get(k))
+    timings = report.get("timings") or {}
+    status = report.get("status", "?")
+    facts = [("status", STATUS_NOTE.get(status, status)), ("device", env.get("device", "?")), ("versions", versions),
+             ("workload", f"prompt {work.get('prompt_len', '?')} tokens, {work.get('new_tokens', '?')} new tokens, "
+                          f"KV cache {work.get('max_len', '?')}, median of {work.get('repeats', '?')} repeats"),
+             ("recipes requested", ", ".join(report.get("recipes_requested") or []) or "—"),
+             ("applied", ", ".join(report.get("applied") or []) or "none"),
+             ("rolled back", ", ".join(report.get("rolled_back") or []) or "none")]
+    if timings:
+        facts.append(("timings", ", ".join(f"{k.removesuffix('_s')} {_fmt(v, '.1f', ' s')}"
+                                           for k, v in timings.items())))
+    mode = report.get("mode", "")
+    before, after = _rows(report, "before"), _rows(report, "after")
+    runs = [(f"before ({mode})", before, "solid"), (f"after ({mode})", after, "solid"),
+            ("torch.compile", _rows(report, "before", compiled=True), "dash")]
+    stack = _stack("GPU time per decode step by op class", [("before", report.get("attribution_before")),
+                                                            ("after", report.get("attribution_after"))],
+                   _concurrencies(report))
+    return Document(f"optiq apply-fusion: {_describe(report)}", facts,
+                    [headline_table(report), gate_table(report), end_to_end_table(report), savings_table(report),
+                     proposals_table(report)],
+                    [*_throughput_plots(runs, "bandwidth floor", before or after), stack])
+
+
+def compare_document(a: dict, b: dict, name_a: str, name_b: str) -> Document:
+    cmp = compare_runs(a, b)
+    throughput = Table("Decode throughput", ["C", "A tok/s", "B tok/s", "B / A"],
+                       [[str(t["concurrency"]), _fmt(t["tok_per_s_a"]), _fmt(t["tok_per_s_b"]),
+                         _fmt(t["ratio"], ".2f", "×")] for t in cmp["throughput"]])
+    op_classes = Table("GPU ms/step by op class", ["C", "op class", "A ms/step", "B ms/step", "B − A"],
+                       [[str(o["concurrency"]), o["label"], _fmt(o["gpu_ms_per_step_a"], ".3f"),
+                         _fmt(o["gpu_ms_per_step_b"], ".3f"),
+                         _fmt(o["delta_ms"], "+.3f")]
+                        for o in cmp["op_classes"]], "from each run's profile of the state compared")
+    facts = [(f"{side} ({name})", f"{_describe(run)} · {run.get('status', '?')} · applied: "
+                                  f"{', '.join(run.get('applied') or []) or 'none'} · compared "
+                                  f"{cmp[f'state_{side.lower()}']} patching")
+             for side, name, run in (("A", name_a, a), ("B", name_b, b))]
+    rows_a, rows_b = _rows(a, cmp["state_a"]), _rows(b, cmp["state_b"])
+    concurrencies = [t["concurrency"] for t in cmp["throughput"]]
+    stack = _stack("GPU time per decode step by op class", [("A", a.get(f"attribution_{cmp['state_a']}")),
+                                                            ("B", b.get(f"attribution_{cmp['state_b']}"))],
+                   concurrencies)
+    return Document(f"optiq: {name_b} (B) against {name_a} (A)", facts, [throughput, op_classes],
+                    [*_throughput_plots([(f"A: {name_a}", rows_a, "solid"), (f"B: {name_b}", rows_b, "solid")],
+                                        f"bandwidth floor ({'A' if rows_a else 'B'})", rows_a or rows_b), stack])
+
+
+# --- rendering -----------------------------------------------------------------------------------------------------
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(doc: Document) -> str:
+    lines = [f"# {doc.title}", ""] + [f"- **{k}**: {v}" for k, v in doc.facts]
+    for table in doc.tables:
+        lines += ["", f"## {table.title}", ""]
+        if not table.rows:
+            lines.append("(none)")
+            continue
+        lines += ["| " + " | ".join(map(_md_cell, table.columns)) + " |", "|" + "---|" * len(table.columns)]
+        lines += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in table.rows]
+        if table.note:
+            lines += ["", f"*{table.note}*"]
+    return "\n".join(lines) + "\n"
+
+
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf"]
+
+
+def _figure(plot: Lines | Stack):
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    if isinstance(plot, Lines):
+        for i, (name, values, dash) in enumerate(plot.series):
+            xs = sorted(values)
+            fig.add_trace(go.Scatter(x=xs, y=[values[c] for c in xs], name=name, mode="lines+markers",
+                                     line={"dash": dash, "color": PALETTE[i % len(PALETTE)]}))
+        ticks = sorted({c for _, values, _ in plot.series for c in values})
+        fig.update_xaxes(type="log", title="concurrency", tickvals=ticks, ticktext=[str(c) for c in ticks])
+        fig.update_yaxes(type="log", title=plot.y_title)
+    else:
+        totals: dict[str, float] = {}
+        for *_, classes in plot.bars:
+            for label, ms in classes.items():
+                totals[label] = totals.get(label, 0.0) + ms
+        shown = sorted(totals, key=totals.get, reverse=True)[:STACK_CLASSES]
+        x = [[c for c, _, _ in plot.bars], [state for _, state, _ in plot.bars]]
+        for i, label in enumerate([*shown, "other"] if len(totals) > len(shown) else shown):
+            y = [sum(ms for k, ms in classes.items() if k not in shown) if label == "other" else classes.get(label, 0.0)
+                 for *_, classes in plot.bars]
+            fig.add_trace(go.Bar(x=x, y=y, name=label, marker_color=PALETTE[i % len(PALETTE)]))
+        fig.update_layout(barmode="stack")
+        fig.update_yaxes(title="GPU ms/step")
+    fig.update_layout(title=plot.title, template="plotly_white", height=460, margin={"t": 60})
+    return fig
+
+
+CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
+table{border-collapse:collapse;margin:.5em 0}th,td{border:1px solid #ccc;padding:.25em .6em;font-size:.9em}
+th{background:#f3f3f3}td{font-variant-numeric:tabular-nums}.note{color:#666;font-size:.85em}"""
+
+
+def render_html(doc: Document) -> str:
+    """One self-contained page: plotly.js is inlined once and nothing is loaded from the network.
+
+    Raises ImportError when plotly is not installed.
+    """
+    import plotly.io as pio
+
+    esc = html.escape
+    parts = [f"<h1>{esc(doc.title)}</h1>", "<ul>"] + [f"<li><b>{esc(k)}</b>: {esc(v)}</li>" for k, v in doc.facts]
+    parts.append("</ul>")
+    for i, plot in enumerate(p for p in doc.plots if not p.empty):
+        parts.append(pio.to_html(_figure(plot), include_plotlyjs=i == 0, full_html=False, include_mathjax=False,
+                                 config={"displaylogo": False}))
+    for table in doc.tables:
+        parts.append(f"<h2>{esc(table.title)}</h2>")
+        if not table.rows:
+            parts.append("<p>(none)</p>")
+            continue
+        parts.append("<table><tr>" + "".join(f"<th>{esc(c)}</th>" for c in table.columns) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>" for row in table.rows]
+        parts.append("</table>" + (f"<p class=note>{esc(table.note)}</p>" if table.note else ""))
+    return (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{esc(doc.title)}</title>'
+            f"<style>{CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n")
+
+
+class Written(NamedTuple):
+    paths: list[Path]
+    note: str | None  # one line for the user when the HTML was skipped
+
+
+def write_document(directory: Path | str, stem: str, doc: Document) -> Written:
+    """Write ``stem.md`` and ``stem.html``; without plotly only the Markdown, and the note says why."""
+    directory = Path(directory)
+    write_atomic(directory / f"{stem}.md", render_markdown(doc))
+    try:
+        page = render_html(doc)
+    except ImportError:
+        return Written([directory / f"{stem}.md"],
+                       f"plotly is not installed: {stem}.md written, {stem}.html skipped")
+    write_atomic(directory / f"{stem}.html", page)
+    return Written([directory / f"{stem}.md", directory / f"{stem}.html"], None)
+
+
+def write_report(run_dir: Path | str, report: dict | None = None) -> Written:
+    """Render ``report.md`` and ``report.html`` next to the run's report.json (read from disk when not given)."""
+    return write_document(run_dir, "report", report_document(report if report is not None else load_report(run_dir)))

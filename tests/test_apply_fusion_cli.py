@@ -1,0 +1,52 @@
+"""`optiq apply-fusion` end to end on the CPU, under the Triton interpreter: auto recipes pass the gate and the run
+directory holds the report; a set the gate rejects entirely exits 3 with the numbers that failed it."""
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+from wrong_kernels import user_recipe
+
+from optiq.cli import cli
+from optiq.errors import EXIT_GATE_REJECTED_ALL
+
+SMALL = ["--model", "tiny-llama", "--concurrency", "1,2", "--prompt-len", "16", "--new-tokens", "2", "--max-len",
+         "64", "--repeats", "1", "--gate-steps", "4", "--json"]
+
+
+def test_auto_recipes_pass_the_gate_and_the_report_is_written(tmp_path):
+    result = CliRunner().invoke(cli, ["apply-fusion", "--recipes", "auto", *SMALL, "--runs-dir", str(tmp_path)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    run_dir = Path(doc.pop("run_dir"))
+    assert json.loads((run_dir / "report.json").read_text()) == doc
+    assert doc["status"] == "complete" and doc["rolled_back"] == []
+    assert "decode_attention" in doc["applied"]  # the largest proposal on the tiny model too
+    assert all(r["passed"] for r in doc["gate"]["recipes"].values())
+    assert [e["concurrency"] for e in doc["gate"]["end_to_end"]] == [1, 2]
+    assert all(e["passed"] and e["top1"] == 1.0 for e in doc["gate"]["end_to_end"])  # fp32: identical greedy picks
+    for key in ("before", "after"):
+        assert [(r["concurrency"], r["status"]) for r in doc[key]["rows"]] == [(1, "ok"), (2, "ok")]
+    assert set(doc["attribution_before"]) == set(doc["attribution_after"]) == {"1", "2"}
+    assert doc["proposals"]["1"][0]["recipe"] in doc["applied"]
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "complete"
+    markdown = (run_dir / "report.md").read_text()
+    assert "decode_attention" in markdown and (run_dir / "report.html").stat().st_size > 1_000_000  # plotly inlined
+
+
+def test_a_set_the_gate_rejects_exits_3_and_keeps_the_numbers(tmp_path):
+    user_recipe(tmp_path / "mine", "rmsnorm", "stale_norm", fusion="wrong_kernels:stale_rmsnorm")
+    result = CliRunner().invoke(cli, ["apply-fusion", "--recipes", "stale_norm", "--recipes-dir", str(tmp_path / "mine"),
+                                      *SMALL, "--runs-dir", str(tmp_path / "runs")])
+    assert result.exit_code == EXIT_GATE_REJECTED_ALL, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "rejected" and doc["applied"] == [] and doc["rolled_back"] == ["stale_norm"]
+    gate = doc["gate"]["recipes"]["stale_norm"]
+    assert not gate["passed"] and gate["err_fused"] > gate["bound"]
+    assert doc["after"]["rows"] == []
+
+
+def test_unknown_recipe_is_a_one_line_error(tmp_path):
+    result = CliRunner().invoke(cli, ["apply-fusion", "--recipes", "warp_drive", *SMALL, "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 1 and "unknown recipe(s) warp_drive" in result.stderr

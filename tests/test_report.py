@@ -1,0 +1,259 @@
+"""The apply-fusion report and `optiq report`: numbers, Markdown, self-contained HTML, comparison, missing plotly."""
+
+import copy
+import json
+import re
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from optiq.cli import cli
+from optiq.report import compare_runs, headline, load_report, render_html, report_document, savings, write_report
+from optiq.rundir import write_json
+
+FLOOR_MS = {1: 3.568, 16: 3.836, 64: 4.693}
+BEFORE = {1: 8.220, 16: 19.240, 64: 51.898}  # graph, llama-3.1-8b bf16 on the H200 (README's bench table)
+COMPILED = {1: 6.028, 16: 10.523, 64: 24.494}
+AFTER = {1: 1e3 / 150, 16: 16e3 / 1500, 64: 64e3 / 4000}  # 150, 1,500 and 4,000 tok/s
+
+
+def bench_row(variant, concurrency, ms):
+    return {"variant": variant, "mode": "graph", "concurrency": concurrency, "status": "ok",
+            "tok_per_s": concurrency * 1e3 / ms, "ms_per_step": ms, "ms_per_step_repeats": [ms] * 3,
+            "prefill_ms": 300.0, "warmup_s": 0.3, "peak_mem_gb": 16.3, "floor_ms_per_step": FLOOR_MS[concurrency],
+            "floor_tok_per_s": concurrency * 1e3 / FLOOR_MS[concurrency],
+            "pct_of_floor": 100 * FLOOR_MS[concurrency] / ms}
+
+
+def attribution(classes: dict[str, tuple[float, float]]) -> dict:
+    """{op class: (GPU ms/step, kernels/step)} as profile writes it."""
+    total = sum(ms for ms, _ in classes.values())
+    table = [{"label": label, "gpu_ms_per_step": ms, "pct": 100 * ms / total, "kernels_per_step": k,
+              "mean_us": 1e3 * ms / k, "top_kernels": f"{label}_kernel 100%", "where": "attention: x 100%"}
+             for label, (ms, k) in classes.items()]
+    return {"summary": {"gpu_ms_per_step": total, "kernels_per_step": sum(k for _, k in classes.values()),
+                        "time_unit": "GPU time"}, "table": table}
+
+
+def proposal(recipe, ms, pct, kernels):
+    return {"recipe": recipe, "covered_ms_per_step": ms, "covered_pct": pct, "kernels_per_step": kernels,
+            "where": f"copy_ in repeat_kv | {pct}%", "why": "why"}
+
+
+def h200_report() -> dict:
+    """An apply-fusion report of llama-3.1-8b on the H200: two recipes applied, one rolled back, one not applicable."""
+    return {
+        "model": "llama-3.1-8b", "dtype": "bfloat16", "mode": "graph", "status": "complete",
+        "environment": {"device": "NVIDIA H200", "torch": "2.13.0+cu130", "transformers": "5.17.0", "cuda": "13.0",
+                        "python": "3.12.3", "optiq": "0.1.0"},
+        "workload": {"prompt_len": 512, "new_tokens": 128, "max_len": 1024, "repeats": 3},
+        "concurrency": [1, 16, 64],
+        "recipes_requested": ["auto"],
+        "proposals": {"64": [proposal("decode_attention", 45.867, 85.8, 192.0), proposal("rmsnorm", 1.555, 2.9, 584.0),
+                             proposal("rope", 0.738, 1.4, 320.0)],
+                      "1": [proposal("decode_attention", 2.1, 26.0, 192.0), proposal("rmsnorm", 0.9, 11.1, 584.0)]},
+        "applied": ["decode_attention", "rmsnorm"], "not_applicable": {"gate_up_swiglu": "no fused gate_up weight"},
+        "rolled_back": ["rope"],
+        "gate": {"recipes": {
+            "decode_attention": {"recipe": "decode_attention", "tolerance": "reassociation", "passed": True,
+                                 "reason": "", "calls": 32, "err_fused": 1.2e-3, "err_unfused": 1.1e-3,
+                                 "bound": 4.4e-3, "site": "LlamaAttention"},
+            "rmsnorm": {"recipe": "rmsnorm", "tolerance": "exact_order", "passed": True, "reason": "", "calls": 65,
+                        "err_fused": 2.0e-3, "err_unfused": 2.1e-3, "bound": 4.3e-3, "site": "LlamaRMSNorm"},
+            "rope": {"recipe": "rope", "tolerance": "exact_order", "passed": False,
+                     "reason": "err 9.1e-02 > bound 6.2e-03 at call 3", "calls": 32, "err_fused": 9.1e-2,
+                     "err_unfused": 2.0e-3, "bound": 6.2e-3, "site": "apply_rotary_pos_emb"}},
+            "end_to_end": [{"concurrency": c, "steps": 64, "passed": True, "rel_err": 3e-3, "rel_err_unpatched": 2e-3,
+                            "bound": 9e-3, "top1": 0.99, "top1_unpatched": 0.99, "min_top1": 0.94,
+                            "recipes": ["decode_attention", "rmsnorm"]} for c in (1, 64)]},
+        "before": {"rows": [bench_row("graph", c, ms) for c, ms in BEFORE.items()]
+                   + [bench_row("compile+graph", c, ms) for c, ms in COMPILED.items()]},
+        "after": {"rows": [bench_row("graph", c, ms) for c, ms in AFTER.items()]},
+        "attribution_before": {
+            "1": attribution({"gemm": (5.1, 321.0), "attention": (1.0, 32.0), "copy_": (1.2, 326.0),
+                              "mul": (0.4, 292.0), "reduction": (0.2, 65.0), "elementwise": (0.2, 625.0)}),
+            "64": attribution({"copy_": (38.541, 326.0), "attention": (7.857, 32.0), "gemm": (4.776, 321.0),
+                               "mul": (0.734, 292.0), "reduction": (0.586, 65.0), "elementwise": (0.93, 625.0)})},
+        "attribution_after": {
+            "1": attribution({"gemm": (5.1, 321.0), "triton": (0.9, 97.0), "copy_": (0.1, 20.0), "mul": (0.2, 160.0),
+                              "elementwise": (0.2, 500.0)}),
+            "64": attribution({"gemm": (4.776, 321.0), "triton": (9.8, 97.0), "copy_": (0.3, 20.0), "mul": (0.4, 160.0),
+                               "elementwise": (0.7, 500.0)})},
+        "timings": {"patch_s": 0.4, "gate_s": 12.0, "capture_s": 1.2},
+    }
+
+
+def run_dir_with(tmp_path, report, name="apply-fusion-20261201-120000"):
+    path = tmp_path / name
+    path.mkdir()
+    write_json(path / "report.json", report)
+    return path
+
+
+def run_cli(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_headline_is_after_over_before_compile_and_floor():
+    rows = {h["concurrency"]: h for h in headline(h200_report())}
+    assert list(rows) == [1, 16, 64]
+    c64 = rows[64]
+    assert c64["before_tok_per_s"] == pytest.approx(1233.2, abs=0.1) and c64["after_tok_per_s"] == pytest.approx(4000)
+    assert c64["speedup"] == pytest.approx(4000 / 1233.2, rel=1e-4)
+    assert c64["after_vs_compile"] == pytest.approx(4000 / 2612.9, rel=1e-4)
+    assert c64["floor_tok_per_s"] == pytest.approx(13637, abs=1)
+    assert c64["after_pct_of_floor"] == pytest.approx(100 * 4.693 / 16.0)
+
+
+def test_savings_predicted_per_recipe_measured_for_the_set():
+    s = savings(h200_report())
+    assert s["predicted_ms_per_step"] == {"decode_attention": {1: 2.1, 64: 45.867}, "rmsnorm": {1: 0.9, 64: 1.555}}
+    assert s["measured_ms_per_step"][64] == pytest.approx(51.898 - 16.0)
+    assert s["kernels_removed_per_step"] == {1: 1661 - 1098, 16: None, 64: 1661 - 1098}
+
+
+def test_markdown_has_every_section_and_the_gate_verdicts(tmp_path):
+    run = run_dir_with(tmp_path, h200_report())
+    written = write_report(run)
+    assert written.note is None and [p.name for p in written.paths] == ["report.md", "report.html"]
+    md = (run / "report.md").read_text()
+    for text in ("llama-3.1-8b · bfloat16 · graph · NVIDIA H200", "torch 2.13.0+cu130", "prompt 512 tokens",
+                 "| 64 | 1,233.2 | 4,000.0 | 3.24× | 2,612.9 | 1.53× | 13,637.3 | 29.3 |",
+                 "| rope | rolled back | exact_order | 32 | 9.10e-02 | 2.00e-03 | 6.20e-03 | err 9.1e-02 > bound",
+                 "| gate_up_swiglu | not applicable |", "no fused gate_up weight",
+                 "| predicted: decode_attention (ms/step) | 2.100 | — | 45.867 |",
+                 "| measured: kernels removed per step (profiled) | 563 | — | 563 |", "not separable",
+                 "copy_ in repeat_kv \\| 85.8%"):
+        assert text in md, text
+    assert md.count("| passed |") == 2
+
+
+def test_html_is_self_contained_with_three_plots():
+    import plotly.offline
+
+    page = render_html(report_document(h200_report()))
+    assert page.count('class="plotly-graph-div"') == 3 and page.count("Plotly.newPlot(") == 3
+    assert page.count(plotly.offline.get_plotlyjs()) == 1
+    # plotly.js itself holds URLs it never fetches for these plots (links, the geo maps' cdn.plot.ly); the rest of the
+    # page names none and loads nothing: no element with a src or href.
+    rest = page.replace(plotly.offline.get_plotlyjs(), "")
+    assert "http" not in rest and "cdn.plot.ly" not in rest
+    assert not re.search(r"<[a-z]+[^>]*\b(src|href)\s*=", rest, re.I)
+    assert "decode_attention" in page and "<h2>Validation gate: per recipe</h2>" in page
+
+
+def partial(kind):
+    report = h200_report()
+    if kind == "rejected":
+        report.update(status="rejected", after={}, applied=[], rolled_back=["decode_attention", "rmsnorm", "rope"],
+                      attribution_after={})
+    elif kind == "no compile, oom, no after profile":
+        report["before"]["rows"] = [r for r in report["before"]["rows"] if r["variant"] == "graph"]
+        report["after"]["rows"][2] = {"variant": "graph", "mode": "graph", "concurrency": 64, "status": "oom",
+                                      "error": "CUDA out of memory"}
+        report["attribution_after"] = {}
+    elif kind == "bare":
+        report = {"model": "tiny-llama", "status": "incomplete"}
+    return report
+
+
+@pytest.mark.parametrize("kind", ["rejected", "no compile, oom, no after profile", "bare"])
+def test_missing_parts_render(tmp_path, kind):
+    report = partial(kind)
+    run = run_dir_with(tmp_path, report)
+    assert write_report(run).note is None
+    md, page = (run / "report.md").read_text(), (run / "report.html").read_text()
+    rows = {h["concurrency"]: h for h in headline(report)}
+    if kind == "rejected":
+        assert rows[64]["after_tok_per_s"] is None and "| 64 | 1,233.2 | — | — |" in md and "rejected" in md
+        assert page.count('class="plotly-graph-div"') == 3  # the before profile still stacks
+    elif kind == "bare":
+        assert rows == {} and "# optiq apply-fusion: tiny-llama" in md and "(none)" in md
+        assert page.count('class="plotly-graph-div"') == 0
+    else:
+        assert rows[64]["after_tok_per_s"] == "oom" and rows[64]["compile_tok_per_s"] is None
+        assert "| 64 | 1,233.2 | oom | — | — | — | 13,637.3 | oom |" in md
+        assert "| measured: kernels removed per step (profiled) | — | — | — |" in md
+
+
+def test_without_plotly_markdown_is_written_and_html_skipped(tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m == "plotly" or m.startswith("plotly.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "plotly", None)
+    run = run_dir_with(tmp_path, h200_report())
+    result = run_cli("report", run)
+    assert result.exit_code == 0, result.stderr
+    assert (run / "report.md").exists() and (run / "report.json").exists() and not (run / "report.html").exists()
+    assert result.stderr.strip().splitlines() == [
+        "note: plotly is not installed: report.md written, report.html skipped"]
+
+
+def test_report_command_rerenders_and_summarises(tmp_path):
+    run = run_dir_with(tmp_path, h200_report())
+    result = run_cli("report", run)
+    assert result.exit_code == 0, result.stderr
+    assert (run / "report.md").exists() and (run / "report.html").exists()
+    assert "Decode throughput" in result.stdout and "4,000.0" in result.stdout and "rolled back" in result.stdout
+    doc = json.loads(run_cli("report", run, "--json").stdout)
+    assert doc["status"] == "complete" and [h["concurrency"] for h in doc["headline"]] == [1, 16, 64]
+    assert doc["written"].endswith("report.html")
+
+
+def test_nan_gate_numbers_survive_the_round_trip(tmp_path):
+    report = h200_report()
+    report["gate"]["recipes"]["rmsnorm"].update(err_fused=float("nan"), err_unfused=float("nan"))
+    run = run_dir_with(tmp_path, report)
+    write_report(run)
+    assert "| rmsnorm | applied | exact_order | 65 | — | — | 4.30e-03 |" in (run / "report.md").read_text()
+
+
+def test_compare_two_runs(tmp_path):
+    a = run_dir_with(tmp_path, partial("rejected"), "a")  # the model as it was
+    b = run_dir_with(tmp_path, h200_report(), "b")
+    cmp = compare_runs(load_report(a), load_report(b))
+    assert (cmp["state_a"], cmp["state_b"]) == ("before", "after")
+    c64 = cmp["throughput"][2]
+    assert c64["concurrency"] == 64 and c64["ratio"] == pytest.approx(4000 / 1233.2, rel=1e-4)
+    copy_64 = next(o for o in cmp["op_classes"] if o["concurrency"] == 64 and o["label"] == "copy_")
+    assert copy_64["delta_ms"] == pytest.approx(0.3 - 38.541)
+    triton_64 = next(o for o in cmp["op_classes"] if o["concurrency"] == 64 and o["label"] == "triton")
+    assert triton_64["gpu_ms_per_step_a"] == 0.0
+    assert cmp["op_classes"][0]["label"] == "gemm"  # C=1 first, largest class first
+
+    out = tmp_path / "cmp" / "nested"
+    result = run_cli("report", a, b, "--out", out)
+    assert result.exit_code == 0, result.stderr
+    assert "B / A" in result.stdout and "3.24×" in result.stdout and "copy_" in result.stdout
+    assert (out / "compare.md").exists() and (out / "compare.html").read_text().count('class="plotly-graph-div"') == 3
+    doc = json.loads(run_cli("report", a, b, "--json").stdout)
+    assert doc["throughput"] == json.loads(json.dumps(cmp["throughput"])) and doc["written"] == ""
+
+
+def test_compare_runs_with_different_concurrencies():
+    a, b = h200_report(), copy.deepcopy(h200_report())
+    b["after"]["rows"] = b["after"]["rows"][:1]
+    b["concurrency"] = [1]
+    ratios = {t["concurrency"]: t["ratio"] for t in compare_runs(a, b)["throughput"]}
+    assert ratios[1] == pytest.approx(1.0) and ratios[16] is None and ratios[64] is None
+
+
+@pytest.mark.parametrize(("setup", "message"), [
+    (lambda p: None, "is not a directory"),
+    (lambda p: p.mkdir(), "has no report.json"),
+    (lambda p: (p.mkdir(), (p / "report.json").write_text("{oops")), "is not valid JSON"),
+    (lambda p: (p.touch()), "is not a directory"),
+])
+def test_bad_run_is_one_line_and_exit_1(tmp_path, setup, message):
+    run = tmp_path / "run"
+    setup(run)
+    for args in ([run], [run, run]):
+        result = run_cli("report", *args)
+        assert result.exit_code == 1 and message in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_too_many_runs_or_out_without_compare_is_usage(tmp_path):
+    run = run_dir_with(tmp_path, h200_report())
+    assert run_cli("report", run, run, run).exit_code == 2
+    assert run_cli("report", run, "--out", tmp_path / "x").exit_code == 2
