@@ -36,13 +36,13 @@ def test_auto_recipes_pass_the_gate_and_the_report_is_written(tmp_path):
 
 
 def test_a_set_the_gate_rejects_exits_3_and_keeps_the_numbers(tmp_path):
-    user_recipe(tmp_path / "mine", "rmsnorm", "stale_norm", fusion="wrong_kernels:stale_rmsnorm")
-    result = CliRunner().invoke(cli, ["apply-fusion", "--recipes", "stale_norm", "--recipes-dir", str(tmp_path / "mine"),
-                                      *SMALL, "--runs-dir", str(tmp_path / "runs")])
+    user_recipe(tmp_path / "mine", "rmsnorm", "eps_less_norm", fusion="wrong_kernels:norm_without_eps")
+    result = CliRunner().invoke(cli, ["apply-fusion", "--recipes", "eps_less_norm", "--recipes-dir",
+                                      str(tmp_path / "mine"), *SMALL, "--runs-dir", str(tmp_path / "runs")])
     assert result.exit_code == EXIT_GATE_REJECTED_ALL, result.stderr
     doc = json.loads(result.stdout)
-    assert doc["status"] == "rejected" and doc["applied"] == [] and doc["rolled_back"] == ["stale_norm"]
-    gate = doc["gate"]["recipes"]["stale_norm"]
+    assert doc["status"] == "rejected" and doc["applied"] == [] and doc["rolled_back"] == ["eps_less_norm"]
+    gate = doc["gate"]["recipes"]["eps_less_norm"]
     assert not gate["passed"] and gate["err_fused"] > gate["bound"]
     assert doc["after"]["rows"] == []
 

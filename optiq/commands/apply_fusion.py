@@ -7,7 +7,8 @@ import time
 from dataclasses import asdict
 
 import click
-from optiq.commands.common import err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode
+from optiq.commands.common import (err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode,
+                                   workload_defaults, workload_options)
 from optiq.commands.recipes import recipes_dir_option
 from optiq.errors import EXIT_GATE_REJECTED_ALL, EXIT_INTERRUPTED, OptiqError
 
@@ -35,10 +36,7 @@ def choose_recipes(requested: str, catalog: dict, proposals: dict[int, list], mi
 @click.option("--recipes", "requested", default="auto", show_default=True,
               help="auto (the proposals of a fresh profile) or recipe names, comma-separated.")
 @recipes_dir_option
-@click.option("--concurrency", default="1,16,64", show_default=True, help="Batch sizes, comma-separated.")
-@click.option("--prompt-len", default=512, show_default=True, help="Random prompt tokens per sequence.")
-@click.option("--new-tokens", default=128, show_default=True, help="Decode steps timed per repeat.")
-@click.option("--max-len", default=1024, show_default=True, help="Static KV-cache length.")
+@workload_options()
 @click.option("--repeats", default=3, show_default=True, help="Timed repeats; the median is reported.")
 @click.option("--mode", type=click.Choice(["eager", "graph"]), default=None,
               help="eager, or graph: one CUDA graph per concurrency (default on CUDA).")
@@ -62,6 +60,8 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
     report.html (plotly, self-contained) into a new run directory. Exit code 3 when the gate rejects every recipe.
     """
     device, mode = resolve_device_and_mode(device, mode)  # first: it picks Triton's interpreter on the CPU
+    concurrency, prompt_len, new_tokens, max_len = workload_defaults(
+        device, concurrency=concurrency, prompt_len=prompt_len, new_tokens=new_tokens, max_len=max_len)
     from optiq.attribution import attribute, weighted_kernels
     from optiq.bench import Workload, compiled_forward, free_memory
     from optiq.commands.bench import environment, sweep_with_progress

@@ -12,7 +12,8 @@ from rich.table import Table
 
 from optiq import __version__
 from optiq.bench import Workload, compiled_forward, sweep
-from optiq.commands.common import err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode
+from optiq.commands.common import (err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode,
+                                   workload_defaults, workload_options)
 from optiq.errors import EXIT_INTERRUPTED, OptiqError
 from optiq.models import PRESETS, default_dtype, default_preset, load_model, resolve_dtype
 from optiq.roofline import copy_bandwidth, device_name
@@ -68,10 +69,7 @@ def sweep_with_progress(label: str, model, concurrencies: list[int], workload: W
 
 @click.command()
 @model_options
-@click.option("--concurrency", default="1,16,64", show_default=True, help="Batch sizes to sweep, comma-separated.")
-@click.option("--prompt-len", default=512, show_default=True, help="Random prompt tokens per sequence.")
-@click.option("--new-tokens", default=128, show_default=True, help="Decode steps timed per repeat.")
-@click.option("--max-len", default=1024, show_default=True, help="Static KV-cache length.")
+@workload_options()
 @click.option("--repeats", default=3, show_default=True, help="Timed repeats of the decode; the median is reported.")
 @click.option("--mode", type=click.Choice(["eager", "graph"]), default=None,
               help="eager, or graph: one CUDA graph per concurrency (default on CUDA).")
@@ -90,6 +88,8 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
     """
     device, mode = resolve_device_and_mode(device, mode)
     model_spec = model_spec or default_preset(device)
+    concurrency, prompt_len, new_tokens, max_len = workload_defaults(
+        device, concurrency=concurrency, prompt_len=prompt_len, new_tokens=new_tokens, max_len=max_len)
     workload = Workload(prompt_len, new_tokens, max_len, repeats)
     try:
         workload.check()

@@ -44,6 +44,39 @@ def resolve_device_and_mode(device: str | None, mode: str | None):
     return resolved, mode
 
 
+# Workload W1 on a GPU; a small one on the CPU, where the fusions run under Triton's interpreter.
+WORKLOADS = {"cuda": {"concurrency": "1,16,64", "prompt_len": 512, "new_tokens": 128, "max_len": 1024},
+             "cpu": {"concurrency": "1,2", "prompt_len": 64, "new_tokens": 16, "max_len": 128}}
+
+
+def workload_options(gpu_concurrency: str = "1,16,64", new_tokens: bool = True):
+    """--concurrency, --prompt-len, [--new-tokens,] --max-len, whose defaults depend on the device (WORKLOADS)."""
+    cpu = WORKLOADS["cpu"]
+    options = [
+        ("--concurrency", f"Batch sizes, comma-separated (default {gpu_concurrency} on CUDA, {cpu['concurrency']} "
+                          f"on CPU).", str),
+        ("--prompt-len", f"Random prompt tokens per sequence (default 512 on CUDA, {cpu['prompt_len']} on CPU).", int),
+        *([("--new-tokens", f"Decode steps timed per repeat (default 128 on CUDA, {cpu['new_tokens']} on CPU).", int)]
+          if new_tokens else []),
+        ("--max-len", f"Static KV-cache length (default 1024 on CUDA, {cpu['max_len']} on CPU).", int),
+    ]
+
+    def decorate(func):
+        for flag, text, kind in reversed(options):
+            func = click.option(flag, default=None, type=kind, help=text)(func)
+        return func
+
+    return decorate
+
+
+def workload_defaults(device, gpu_concurrency: str = "1,16,64", **given) -> tuple:
+    """The given workload values in their order, with the device's defaults where a flag was left out."""
+    defaults = dict(WORKLOADS[device.type if device.type in WORKLOADS else "cuda"])
+    if device.type == "cuda":
+        defaults["concurrency"] = gpu_concurrency
+    return tuple(defaults[key] if value is None else value for key, value in given.items())
+
+
 def model_options(func):
     """--model, --dtype and --device, shared by every command that loads a model."""
     func = click.option("--device", default=None, help="cuda or cpu (default: cuda when present).")(func)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from optiq.commands.common import err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode
+from optiq.commands.common import (err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode,
+                                   workload_defaults, workload_options)
 from optiq.commands.proposals_view import proposals_records, proposals_table
 from optiq.commands.recipes import recipes_dir_option
 from optiq.errors import EXIT_INTERRUPTED, OptiqError
@@ -12,9 +13,7 @@ from optiq.errors import EXIT_INTERRUPTED, OptiqError
 
 @click.command()
 @model_options
-@click.option("--concurrency", default="1,64", show_default=True, help="Batch sizes to profile, comma-separated.")
-@click.option("--prompt-len", default=512, show_default=True, help="Random prompt tokens per sequence.")
-@click.option("--max-len", default=1024, show_default=True, help="Static KV-cache length.")
+@workload_options(gpu_concurrency="1,64", new_tokens=False)
 @click.option("--steps", default=4, show_default=True, type=click.IntRange(1), help="Decode steps profiled.")
 @click.option("--mode", type=click.Choice(["eager", "graph"]), default=None,
               help="What is timed: eager steps, or CUDA-graph replays (default on CUDA; an annotated eager trace of "
@@ -45,6 +44,8 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
     from optiq.rundir import RunDir, write_csv, write_json
 
     device, mode = resolve_device_and_mode(device, mode)
+    concurrency, prompt_len, max_len = workload_defaults(device, "1,64", concurrency=concurrency,
+                                                         prompt_len=prompt_len, max_len=max_len)
     catalog = load_catalog(recipes_dir)
     model_spec = model_spec or default_preset(device)
     try:
