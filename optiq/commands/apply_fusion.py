@@ -7,10 +7,10 @@ import time
 from dataclasses import asdict
 
 import click
-from optiq.commands.common import (err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode,
-                                   workload_defaults, workload_options)
+from optiq.commands.common import (err, measurement_options, model_options, out, parse_concurrency, print_json,
+                                   resolve_device_and_mode, stop_interrupted, workload_defaults, workload_options)
 from optiq.commands.recipes import recipes_dir_option
-from optiq.errors import EXIT_GATE_REJECTED_ALL, EXIT_INTERRUPTED, OptiqError
+from optiq.errors import EXIT_GATE_REJECTED_ALL, OptiqError
 
 PROFILED_STEPS = 2
 
@@ -37,11 +37,7 @@ def choose_recipes(requested: str, catalog: dict, proposals: dict[int, list], mi
               help="auto (the proposals of a fresh profile) or recipe names, comma-separated.")
 @recipes_dir_option
 @workload_options()
-@click.option("--repeats", default=3, show_default=True, help="Timed repeats; the median is reported.")
-@click.option("--mode", type=click.Choice(["eager", "graph"]), default=None,
-              help="eager, or graph: one CUDA graph per concurrency (default on CUDA).")
-@click.option("--compare", type=click.Choice(["compile"]), default=None,
-              help="Also measure torch.compile of the unpatched model, the peer a user would pick instead.")
+@measurement_options("Also measure torch.compile of the unpatched model, the peer a user would pick instead.")
 @click.option("--gate-steps", default=64, show_default=True, type=click.IntRange(1),
               help="Teacher-forced decode steps of the end-to-end check, at every concurrency.")
 @click.option("--min-share", default=0.5, show_default=True,
@@ -162,9 +158,7 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
     except KeyboardInterrupt:
         report["status"] = "incomplete"
         save()
-        run.finish("incomplete")
-        err.print(f"interrupted: what was measured is in {run.path} (marked incomplete)")
-        raise SystemExit(EXIT_INTERRUPTED) from None
+        stop_interrupted(run, "what was measured")
     save()
     written = write_report(run.path, report)
     run.finish(report["status"])

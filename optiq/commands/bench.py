@@ -12,9 +12,9 @@ from rich.table import Table
 
 from optiq import __version__
 from optiq.bench import Workload, compiled_forward, sweep
-from optiq.commands.common import (err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode,
-                                   workload_defaults, workload_options)
-from optiq.errors import EXIT_INTERRUPTED, OptiqError
+from optiq.commands.common import (err, measurement_options, model_options, out, parse_concurrency, print_json,
+                                   resolve_device_and_mode, stop_interrupted, workload_defaults, workload_options)
+from optiq.errors import OptiqError
 from optiq.models import PRESETS, default_dtype, default_preset, load_model, resolve_dtype
 from optiq.roofline import copy_bandwidth, device_name
 from optiq.rundir import RunDir, write_csv, write_json
@@ -70,11 +70,7 @@ def sweep_with_progress(label: str, model, concurrencies: list[int], workload: W
 @click.command()
 @model_options
 @workload_options()
-@click.option("--repeats", default=3, show_default=True, help="Timed repeats of the decode; the median is reported.")
-@click.option("--mode", type=click.Choice(["eager", "graph"]), default=None,
-              help="eager, or graph: one CUDA graph per concurrency (default on CUDA).")
-@click.option("--compare", type=click.Choice(["compile"]), default=None,
-              help="Also measure a peer the same way: compile = torch.compile of the forward (compile time shown).")
+@measurement_options("Also measure a peer the same way: compile = torch.compile of the forward (compile time shown).")
 @click.option("--runs-dir", default="runs", show_default=True, help="Where the run directory is created.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON document.")
 def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_len, repeats, mode, compare, runs_dir,
@@ -123,9 +119,7 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
     try:
         rows = sweep_with_progress(model_spec, model, concurrencies, workload, variants, bandwidth, save, rows)
     except KeyboardInterrupt:
-        run.finish("incomplete", points_done=len(rows))
-        err.print(f"interrupted: {len(rows)} point(s) kept in {run.path} (marked incomplete)")
-        raise SystemExit(EXIT_INTERRUPTED) from None
+        stop_interrupted(run, f"{len(rows)} point(s)", points_done=len(rows))
     run.finish("complete", points_done=len(rows))
 
     if as_json:

@@ -9,7 +9,7 @@ import sys
 import click
 from rich.console import Console
 
-from optiq.errors import OptiqError
+from optiq.errors import EXIT_INTERRUPTED, OptiqError
 
 # Tables go to stdout, progress and notes to stderr, so ``--json`` output stays one clean document.
 # Piped output keeps whole table rows instead of rich's 80-column default.
@@ -75,6 +75,24 @@ def workload_defaults(device, gpu_concurrency: str = "1,16,64", **given) -> tupl
     if device.type == "cuda":
         defaults["concurrency"] = gpu_concurrency
     return tuple(defaults[key] if value is None else value for key, value in given.items())
+
+
+def measurement_options(compare_help: str):
+    """--repeats, --mode and --compare, shared by the commands that measure throughput."""
+    def decorate(func):
+        func = click.option("--compare", type=click.Choice(["compile"]), default=None, help=compare_help)(func)
+        func = click.option("--mode", type=click.Choice(["eager", "graph"]), default=None,
+                            help="eager, or graph: one CUDA graph per concurrency (default on CUDA).")(func)
+        return click.option("--repeats", default=3, show_default=True,
+                            help="Timed repeats of the decode; the median is reported.")(func)
+    return decorate
+
+
+def stop_interrupted(run, what: str, **progress) -> None:
+    """After Ctrl-C: mark the run incomplete (what was measured is already on disk), say so, exit 130."""
+    run.finish("incomplete", **progress)
+    err.print(f"interrupted: {what} kept in {run.path} (marked incomplete)")
+    raise SystemExit(EXIT_INTERRUPTED)
 
 
 def model_options(func):

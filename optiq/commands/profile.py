@@ -5,10 +5,10 @@ from __future__ import annotations
 import click
 
 from optiq.commands.common import (err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode,
-                                   workload_defaults, workload_options)
+                                   stop_interrupted, workload_defaults, workload_options)
 from optiq.commands.proposals_view import proposals_records, proposals_table
 from optiq.commands.recipes import recipes_dir_option
-from optiq.errors import EXIT_INTERRUPTED, OptiqError
+from optiq.errors import OptiqError
 
 
 @click.command()
@@ -80,9 +80,7 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
                 out.print(proposals_table(proposals, f"proposals · {model_spec} · C={batch}"))
             free_memory()
     except KeyboardInterrupt:
-        run.finish("incomplete", concurrencies_done=len(results))
-        err.print(f"interrupted: {len(results)} concurrency(ies) kept in {run.path} (marked incomplete)")
-        raise SystemExit(EXIT_INTERRUPTED) from None
+        stop_interrupted(run, f"{len(results)} concurrency(ies)", concurrencies_done=len(results))
     run.finish("complete", concurrencies_done=len(results))
     if as_json:
         print_json({"run_dir": str(run.path), "args": args, "results": results})
