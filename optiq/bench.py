@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from optiq.engine import WARMUP_STEPS, DecodeEngine
+from optiq.errors import OptiqError
 from optiq.roofline import floor_ms_per_step
 from optiq.timing import Timer
 
@@ -24,12 +25,13 @@ class Workload:
     max_len: int = 1024
     repeats: int = 3
 
-    def check(self) -> None:
+    def check(self, steps_flag: str = "--new-tokens") -> None:
+        """A workload that cannot run is the user's to fix: say which flags clash."""
         if min(self.prompt_len, self.new_tokens, self.repeats) < 1:
-            raise ValueError("prompt length, new tokens and repeats must be positive")
+            raise OptiqError("prompt length, new tokens and repeats must be positive")
         if self.prompt_len + self.new_tokens + WARMUP_STEPS > self.max_len:
-            raise ValueError(f"--max-len {self.max_len} is too short for --prompt-len {self.prompt_len} + "
-                             f"--new-tokens {self.new_tokens} + {WARMUP_STEPS} warm-up steps")
+            raise OptiqError(f"--max-len {self.max_len} is too short for --prompt-len {self.prompt_len} + "
+                             f"{steps_flag} {self.new_tokens} + {WARMUP_STEPS} warm-up steps")
 
 
 def compiled_forward(model: torch.nn.Module):

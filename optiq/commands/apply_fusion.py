@@ -75,10 +75,7 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
     catalog = load_catalog(recipes_dir)
     model_spec = model_spec or default_preset(device)
     workload = Workload(prompt_len, new_tokens, max_len, repeats)
-    try:
-        workload.check()
-    except ValueError as exc:
-        raise OptiqError(str(exc)) from None
+    workload.check()
     concurrencies = parse_concurrency(concurrency)
     if requested != "auto":
         choose_recipes(requested, catalog, {}, min_share)  # unknown names fail before any work

@@ -14,7 +14,6 @@ from optiq import __version__
 from optiq.bench import Workload, compiled_forward, sweep
 from optiq.commands.common import (err, measurement_options, model_options, out, parse_concurrency, print_json,
                                    resolve_device_and_mode, stop_interrupted, workload_defaults, workload_options)
-from optiq.errors import OptiqError
 from optiq.models import PRESETS, default_dtype, default_preset, load_model, resolve_dtype
 from optiq.roofline import copy_bandwidth, device_name
 from optiq.rundir import RunDir, write_csv, write_json
@@ -87,10 +86,7 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
     concurrency, prompt_len, new_tokens, max_len = workload_defaults(
         device, concurrency=concurrency, prompt_len=prompt_len, new_tokens=new_tokens, max_len=max_len)
     workload = Workload(prompt_len, new_tokens, max_len, repeats)
-    try:
-        workload.check()
-    except ValueError as exc:
-        raise OptiqError(str(exc)) from None
+    workload.check()
     concurrencies = parse_concurrency(concurrency)
     torch_dtype = resolve_dtype(dtype or default_dtype(device), device)
 

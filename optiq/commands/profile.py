@@ -8,7 +8,6 @@ from optiq.commands.common import (err, model_options, out, parse_concurrency, p
                                    stop_interrupted, workload_defaults, workload_options)
 from optiq.commands.proposals_view import proposals_records, proposals_table
 from optiq.commands.recipes import recipes_dir_option
-from optiq.errors import OptiqError
 
 
 @click.command()
@@ -48,10 +47,7 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
                                                          prompt_len=prompt_len, max_len=max_len)
     catalog = load_catalog(recipes_dir)
     model_spec = model_spec or default_preset(device)
-    try:
-        Workload(prompt_len, steps, max_len, repeats=1).check()
-    except ValueError as exc:
-        raise OptiqError(str(exc).replace("--new-tokens", "--steps")) from None
+    Workload(prompt_len, steps, max_len, repeats=1).check(steps_flag="--steps")
     concurrencies = parse_concurrency(concurrency)
     torch_dtype = resolve_dtype(dtype or default_dtype(device), device)
     args = dict(model=model_spec, dtype=str(torch_dtype).removeprefix("torch."), concurrency=concurrencies,
