@@ -29,7 +29,8 @@ _ROLE_BY_NAME = {
     "input_layernorm": "norm", "post_attention_layernorm": "norm", "norm": "norm", "q_norm": "norm", "k_norm": "norm",
     "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "qkv_proj": "qkv_proj",
     "self_attn": "attention", "o_proj": "o_proj",
-    "mlp": "mlp", "gate": "moe_router", "experts": "experts", "shared_expert": "mlp", "shared_expert_gate": "moe_router",
+    "mlp": "mlp", "gate": "moe_router", "experts": "experts",
+    "shared_expert": "mlp", "shared_expert_gate": "moe_router",
     "lm_head": "lm_head",
 }
 

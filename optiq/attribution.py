@@ -109,8 +109,9 @@ def step_stats(trace: Trace) -> pd.DataFrame:
     (1 - busy / wall: the launch gaps), kernels, launches.
 
     A step's wall time runs from when both the host has begun it and the GPU has finished the work queued before it,
-    to the later of its host end and its last kernel's end. For CPU-bound eager steps that is the host's range; for steps the
-    host only enqueues (graph replays run ahead of the GPU) it is the GPU's time on the step, queueing excluded."""
+    to the later of its host end and its last kernel's end. For CPU-bound eager steps that is the host's range; for
+    steps the host only enqueues (graph replays run ahead of the GPU) it is the GPU's time on the step, queueing
+    excluded."""
     kernels = trace.kernels[trace.kernels["step"] >= 0]
     by_step = dict(tuple(kernels.groupby("step")))
     # When the GPU finished everything that started before a given time (in a step or not, e.g. warm-up work).
@@ -160,7 +161,8 @@ def _where(frame: pd.DataFrame, by: str, top: int) -> str:
         return _shares(frame, "op_class", top)
     role = frame["role"].where(frame["role"] != NO_ROLE, "")
     top_level = frame["top_op"].astype(object)
-    op = top_level.where(top_level.str.startswith("aten::", na=False), frame["op"]).fillna("")  # not "Torch-Compiled Region"
+    # Not "Torch-Compiled Region": the aten op under it says more.
+    op = top_level.where(top_level.str.startswith("aten::", na=False), frame["op"]).fillna("")
     place = (role + ": " + op).str.strip(": ")
     known = place != ""
     return _shares(frame[known].assign(place=place[known]), "place", top) if known.any() else "unknown"

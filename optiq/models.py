@@ -21,7 +21,8 @@ PRESETS = {
     # For tests: seconds on a CPU, same code paths as the real architectures.
     "tiny-llama": lambda: LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=256, max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        head_dim=16, vocab_size=256, max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     "tiny-qwen3-moe": lambda: Qwen3MoeConfig(
         hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, vocab_size=256,
@@ -90,7 +91,7 @@ def load_config(spec: str):
 
 
 def load_model(spec: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Instantiate the model in eval mode on ``device``: seeded random weights for a preset, real ones for a checkpoint."""
+    """The model in eval mode on ``device``: seeded random weights for a preset, real ones for a checkpoint."""
     config = load_config(spec)
     if spec in PRESETS:
         torch.manual_seed(SEED)

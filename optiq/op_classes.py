@@ -18,7 +18,8 @@ UNATTRIBUTED = "unattributed"  # GPU time that neither linkage, alignment nor th
 # Exact aten op names (without the "aten::" namespace and the in-place/out "_" suffix) -> class.
 _ATEN = {
     **dict.fromkeys(("copy", "_to_copy", "to", "clone", "contiguous", "cat", "index_copy", "index_put", "repeat",
-                     "repeat_interleave", "slice_scatter", "_copy_from", "_copy_from_and_resize", "_index_put_impl", "stack",
+                     "repeat_interleave", "slice_scatter", "_copy_from", "_copy_from_and_resize", "_index_put_impl",
+                     "stack",
                      "constant_pad_nd", "narrow_copy", "expand_copy", "view_copy", "_unsafe_index_put"), "copy_"),
     **dict.fromkeys(("mul", "multiply"), "mul"),
     **dict.fromkeys(("add", "addcmul", "addcdiv"), "add"),
@@ -54,7 +55,8 @@ _KERNEL_PATTERNS = [(re.compile(p, re.IGNORECASE), c) for p, c in [
     (r"^memcpy|^memset|cudaMemcpy|cudaMemset", "memcpy/memset"),
     (r"flash|fmha|sdpa|attention|attn|paged|mla_|decode_kernel.*kv|splitkv", "attention"),
     (r"vectorized_gather_kernel", "other"),  # ATen's index_select / embedding row gather
-    (r"moe|grouped_gemm|grouped_mm|groupproblemshape|ptrarray|topk|radixsort|radix_sort|bitonicsort|sort_kernel|segmented_sort|"
+    (r"moe|grouped_gemm|grouped_mm|groupproblemshape|ptrarray|topk|radixsort|radix_sort|bitonicsort|sort_kernel|"
+     r"segmented_sort|"
      r"scatter|gather_kernel|expert", "moe"),
     (r"catarraybatchedcopy|direct_copy|copy_kernel|index_copy|index_put|_to_copy|copy_device_to_device|"
      r"reshape_and_cache|concat_and_cache|store_kvcache|repeat_interleave|cat_kernel", "copy_"),

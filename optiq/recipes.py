@@ -16,7 +16,7 @@ from optiq.op_classes import CLASSES
 TOLERANCES = {
     "exact": "bit-identical to the unfused path",
     "exact_order": "same roundings in the same order as HF; differences only from fused multiply-adds",
-    "reassociation": "sums in another order (split reductions, one GEMM for several): error of the unfused path's order",
+    "reassociation": "sums in another order (split reductions, one GEMM for several): errors as large as unfused",
     "lossy": "lower precision on purpose (e.g. fp32 matmuls run in bf16); must still pass the end-to-end bound",
 }
 

@@ -10,7 +10,8 @@ from optiq.proposals import Proposal
 
 
 def proposals_table(proposals: list[Proposal], title: str) -> Table:
-    table = Table(title=title, caption="saving = the time the recipe covers, an upper bound; apply-fusion measures the real one")
+    table = Table(title=title,
+                  caption="saving = the time the recipe covers, an upper bound; apply-fusion measures the real one")
     for column in ("#", "recipe", "up to ms/step", "% of step", "kernels/step", "replaces"):
         table.add_column(column, justify="right" if column in ("#", "up to ms/step", "% of step", "kernels/step")
                          else "left", overflow="fold")
