@@ -19,7 +19,8 @@ from optiq.errors import OptiqError
 from optiq.rundir import write_atomic
 
 REPORT_FILE = "report.json"
-STACK_CLASSES = 8  # op classes drawn in the stacked bars; the rest are summed as "other"
+STACK_CLASSES = 8  # op classes drawn in the stacked bars; the rest are summed as REST
+REST = "the rest"  # not "other", which is an op class of its own
 
 
 @dataclass
@@ -275,9 +276,14 @@ def _throughput_plots(runs: list[tuple[str, dict[int, dict], str]], floor_name: 
                 ("Decode step time against concurrency", "ms/step", "ms_per_step", "floor_ms_per_step"))]
 
 
-def _stack(title: str, states: list[tuple[str, dict]], concurrencies: list[int]) -> Stack:
-    return Stack(title, [(_c_label(c), label, _op_classes(attribution, c))
-                         for c in concurrencies for label, attribution in states if _op_classes(attribution, c)])
+def _stack(states: list[tuple[str, dict]], concurrencies: list[int]) -> Stack:
+    """Op-class bars per concurrency and state, titled by what was timed (GPU time, or CPU self time without a GPU)."""
+    units = {entry.get("summary", {}).get("time_unit") for _, attribution in states
+             for entry in (attribution or {}).values()} - {None}
+    unit = units.pop() if len(units) == 1 else "GPU time"
+    return Stack(f"{unit} per decode step by op class",
+                 [(_c_label(c), label, _op_classes(attribution, c))
+                  for c in concurrencies for label, attribution in states if _op_classes(attribution, c)])
 
 
 def _describe(report: dict) -> str:
@@ -308,8 +314,7 @@ def report_document(report: dict) -> Document:
     before, after = _rows(report, "before"), _rows(report, "after")
     runs = [(f"before ({mode})", before, "solid"), (f"after ({mode})", after, "solid"),
             ("torch.compile", _rows(report, "before", compiled=True), "dash")]
-    stack = _stack("GPU time per decode step by op class", [("before", report.get("attribution_before")),
-                                                            ("after", report.get("attribution_after"))],
+    stack = _stack([("before", report.get("attribution_before")), ("after", report.get("attribution_after"))],
                    _concurrencies(report))
     return Document(f"optiq apply-fusion: {_describe(report)}", facts,
                     [headline_table(report), gate_table(report), end_to_end_table(report), savings_table(report),
@@ -333,8 +338,7 @@ def compare_document(a: dict, b: dict, name_a: str, name_b: str) -> Document:
              for side, name, run in (("A", name_a, a), ("B", name_b, b))]
     rows_a, rows_b = _rows(a, cmp["state_a"]), _rows(b, cmp["state_b"])
     concurrencies = [t["concurrency"] for t in cmp["throughput"]]
-    stack = _stack("GPU time per decode step by op class", [("A", a.get(f"attribution_{cmp['state_a']}")),
-                                                            ("B", b.get(f"attribution_{cmp['state_b']}"))],
+    stack = _stack([("A", a.get(f"attribution_{cmp['state_a']}")), ("B", b.get(f"attribution_{cmp['state_b']}"))],
                    concurrencies)
     return Document(f"optiq: {name_b} (B) against {name_a} (A)", facts, [throughput, op_classes],
                     [*_throughput_plots([(f"A: {name_a}", rows_a, "solid"), (f"B: {name_b}", rows_b, "solid")],
@@ -384,12 +388,12 @@ def _figure(plot: Lines | Stack):
                 totals[label] = totals.get(label, 0.0) + ms
         shown = sorted(totals, key=totals.get, reverse=True)[:STACK_CLASSES]
         x = [[c for c, _, _ in plot.bars], [state for _, state, _ in plot.bars]]
-        for i, label in enumerate([*shown, "other"] if len(totals) > len(shown) else shown):
-            y = [sum(ms for k, ms in classes.items() if k not in shown) if label == "other" else classes.get(label, 0.0)
+        for i, label in enumerate([*shown, REST] if len(totals) > len(shown) else shown):
+            y = [sum(ms for k, ms in classes.items() if k not in shown) if label == REST else classes.get(label, 0.0)
                  for *_, classes in plot.bars]
             fig.add_trace(go.Bar(x=x, y=y, name=label, marker_color=PALETTE[i % len(PALETTE)]))
         fig.update_layout(barmode="stack")
-        fig.update_yaxes(title="GPU ms/step")
+        fig.update_yaxes(title="ms/step")
     fig.update_layout(title=plot.title, template="plotly_white", height=460, margin={"t": 60})
     return fig
 
