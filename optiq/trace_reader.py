@@ -118,6 +118,7 @@ def _scan(stream) -> _Scan:
             name = ev["name"]
             code = op_codes.get(name)
             if code is None:
+                _check_name(name)
                 code = names.setdefault(name, len(names))
                 code = op_codes[name] = -1 - code if _is_marker(name) else code
             pid, tid = _thread(ev, threads)
@@ -135,6 +136,7 @@ def _scan(stream) -> _Scan:
             name = ev["name"]
             code = names.get(name)
             if code is None:
+                _check_name(name)
                 code = names[name] = len(names)
             args = ev.get("args") or {}
             g_name(code)
@@ -149,6 +151,7 @@ def _scan(stream) -> _Scan:
             name = ev["name"]
             code = launch_codes.get(name)
             if code is None:
+                _check_name(name)
                 launches = any(word in name for word in ("Launch", "Memcpy", "Memset"))
                 code = launch_codes[name] = names.setdefault(name, len(names)) if launches else -1
             if code < 0:
@@ -161,11 +164,18 @@ def _scan(stream) -> _Scan:
             l_corr(ev["args"].get("correlation", -1) if "args" in ev else -1)
         elif cat == "user_annotation":
             name = ev["name"]
+            _check_name(name)
             if _is_marker(name):
                 pid, tid = _thread(ev, threads)
                 marks.append((name, ev["ts"], ev["ts"] + ev.get("dur", 0.0), pid, tid))
     scan.events = count
     return scan
+
+
+def _check_name(name) -> None:
+    """Names are interned and matched as text, so anything else (a number, a list) is malformed input."""
+    if name.__class__ is not str:
+        raise TypeError(f"name {repr(name)[:60]} is not a string")
 
 
 def _thread(ev: dict, threads: dict) -> tuple[int, int]:
@@ -313,7 +323,8 @@ def _place(scan: _Scan, steps: pd.DataFrame, pid, tid, ts) -> dict[str, np.ndarr
         step = np.zeros(len(ts), np.int64)
     labels, keys, starts, ends = _annotation_index(scan, LAYER_PREFIX)
     idx = _innermost(keys, starts, ends, thread, t)
-    layer_numbers = np.array([int(x) if x.isdigit() else -1 for x in labels] or [-1], np.int64)
+    # isdigit() also passes "²", which int() refuses; over 18 digits would overflow int64
+    layer_numbers = np.array([int(x) if x.isdecimal() and len(x) < 19 else -1 for x in labels] or [-1], np.int64)
     layer = np.where(idx >= 0, layer_numbers[np.maximum(idx, 0)], -1)
     labels, keys, starts, ends = _annotation_index(scan, ROLE_PREFIX)
     idx = _innermost(keys, starts, ends, thread, t)
@@ -433,8 +444,10 @@ def read_trace(path: str | Path, rank: int | None = None) -> Trace:
         raise OptiqError(f"{path}: truncated or corrupt gzip ({exc})") from None
     except (ijson.JSONError, ijson.IncompleteJSONError, UnicodeDecodeError) as exc:
         raise OptiqError(f"{path}: not a JSON trace ({str(exc).splitlines()[0][:120]})") from None
-    except (KeyError, TypeError) as exc:
+    except KeyError as exc:
         raise OptiqError(f"{path}: trace event without a {exc} field") from None
+    except (TypeError, AttributeError, ValueError, OverflowError) as exc:  # a field (or the event) of the wrong type
+        raise OptiqError(f"{path}: malformed trace event ({' '.join(str(exc).split())[:160]})") from None
     if not scan.events:
         what = "an empty traceEvents list" if _has_trace_events(path) else "no traceEvents"
         raise OptiqError(f"{path}: {what}; not a Kineto/torch.profiler trace")
