@@ -1,12 +1,10 @@
 """Fused residual add + RMSNorm against the float64 reference: both outputs, inputs left untouched."""
 
-import zlib
-
 import pytest
 import torch
 
 from fusions.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference
-from kernel_testing import SMALL_DEVICE, needs_cuda
+from kernel_testing import SMALL_DEVICE, needs_cuda, seed_of
 
 # The sum is rounded to the model dtype, then the norm rounds twice; the interpreter truncates.
 TOLERANCE = {
@@ -38,10 +36,6 @@ def run_poisoned(x, residual, weight, eps, offset):
     outputs = add_rmsnorm(x, residual, weight, eps, offset, normed=normed, new_residual=new_residual)
     assert outputs[0] is normed and outputs[1] is new_residual
     return outputs
-
-
-def seed_of(request):
-    return zlib.crc32(request.node.name.encode())
 
 
 @pytest.mark.parametrize("offset", [False, True])

@@ -1,12 +1,10 @@
 """Greedy sampling must equal torch.argmax exactly: ties to the lowest index, first NaN wins, strided rows."""
 
-import zlib
-
 import pytest
 import torch
 
 from fusions.greedy_sample import greedy_sample, greedy_sample_reference
-from kernel_testing import SMALL_DEVICE, needs_cuda
+from kernel_testing import SMALL_DEVICE, needs_cuda, seed_of
 
 POISON = -1  # no valid token id
 
@@ -33,10 +31,6 @@ def run_poisoned(logits):
     out = torch.full(logits.shape[:-1], POISON, dtype=torch.int64, device=logits.device)
     assert greedy_sample(logits, out=out) is out
     return out
-
-
-def seed_of(request):
-    return zlib.crc32(request.node.name.encode())
 
 
 @pytest.mark.parametrize("levels", [None, 3])

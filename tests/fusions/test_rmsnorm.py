@@ -1,14 +1,12 @@
 """RMSNorm kernel against a float64 reference; the reference itself against HF's Llama and Gemma norms."""
 
-import zlib
-
 import pytest
 import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from fusions.rmsnorm import rmsnorm, rmsnorm_reference
-from kernel_testing import SMALL_DEVICE, needs_cuda
+from kernel_testing import SMALL_DEVICE, needs_cuda, seed_of
 
 # bf16/fp16 round twice (normed, then times weight); the interpreter truncates instead of rounding.
 TOLERANCE = {
@@ -37,10 +35,6 @@ def run_poisoned(x, weight, eps, offset):
     out = torch.full_like(x, float("nan"))
     assert rmsnorm(x, weight, eps, offset, out=out) is out
     return out
-
-
-def seed_of(request):
-    return zlib.crc32(request.node.name.encode())
 
 
 @pytest.mark.parametrize("offset", [False, True])

@@ -1,12 +1,10 @@
 """SwiGLU kernel against the float64 reference, and bit-exact against eager bf16 on the GPU."""
 
-import zlib
-
 import pytest
 import torch
 
 from fusions.swiglu import swiglu, swiglu_reference
-from kernel_testing import SMALL_DEVICE, needs_cuda
+from kernel_testing import SMALL_DEVICE, needs_cuda, seed_of
 
 # bf16/fp16 round twice (silu, then the product); the interpreter truncates instead of rounding.
 TOLERANCE = {
@@ -32,10 +30,6 @@ def run_poisoned(gate_up):
     out = torch.full(shape, float("nan"), dtype=gate_up.dtype, device=gate_up.device)
     assert swiglu(gate_up, out=out) is out
     return out
-
-
-def seed_of(request):
-    return zlib.crc32(request.node.name.encode())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
