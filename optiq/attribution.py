@@ -9,6 +9,7 @@ graph replay with an eager step, the kernel's name, or nothing) is always report
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from difflib import SequenceMatcher
 
 import numpy as np
@@ -37,6 +38,15 @@ class Attribution:
 
 
 def align_graph_with_eager(graph: Trace, eager: Trace) -> int:
+    """Align a graph trace's replayed kernels with an eager trace (``_align``) and note on the graph trace how many
+    were; returns that count."""
+    aligned = _align(graph, eager)
+    graph.notes.append(f"{aligned} of {int(graph.kernels['graph'].sum())} replayed kernels aligned with "
+                       f"{Path(eager.path).name}")
+    return aligned
+
+
+def _align(graph: Trace, eager: Trace) -> int:
     """Give CUDA-graph kernels the op, class, role and layer of their twins in an eager step of the same model and
     batch: the replay runs the same kernels in the same order. The eager reference is its most frequent step
     sequence; sequences are matched by kernel name (difflib), so a kernel the graph added or dropped just stays
