@@ -27,11 +27,11 @@ class DecodeEngine:
     """Decode ``batch`` sequences of one model with a static cache of ``max_len`` positions.
 
     ``forward`` replaces the model's own call in decode steps (e.g. a torch.compile'd forward); prefill always runs
-    the model itself.
+    the model itself. ``dtype`` is the cache's, the model's own unless it computes in another (validation's reference).
     """
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, mode: str = "eager",
-                 forward: Callable | None = None):
+                 forward: Callable | None = None, dtype: torch.dtype | None = None):
         if mode not in ("eager", "graph"):
             raise ValueError(f"mode must be 'eager' or 'graph', not {mode!r}")
         if mode == "graph" and not torch.cuda.is_available():
@@ -39,7 +39,7 @@ class DecodeEngine:
         self.model, self.batch, self.max_len, self.mode = model, batch, max_len, mode
         self.forward = forward or model
         param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device, self.dtype = param.device, dtype or param.dtype
         config = model.config.get_text_config(decoder=True)
         self.cache = StaticCache(config=config, max_cache_len=max_len)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -10,8 +10,8 @@ Two checks, both against a higher-precision reference rather than against the mo
    ``err`` the norm of the difference over the norm of the reference, and (factor, floor) from the recipe's tolerance
    class (GATE). ``exact`` means bitwise equal to the unfused path.
 2. End to end: teacher-forced greedy decode over ``steps`` steps at each concurrency with the DecodeEngine. The
-   reference is the unpatched model itself for an fp32 model (then every greedy pick must be identical) or an fp32
-   copy of it otherwise (then the unpatched model's own distance to fp32 sets the scale). Rule: relative logits error
+   reference is the unpatched model itself for an fp32 model (then every greedy pick must be identical) or the same
+   model computing in fp32 otherwise (then the unpatched model's own distance to fp32 sets the scale). Rule: relative logits error
    ``<= factor * err(unpatched) + E2E_FLOOR_EPS * eps(fp32)``, top-1 agreement ``>= agreement(unpatched) - slack``,
    with factor and slack from the loosest tolerance among the recipes.
 
@@ -21,6 +21,7 @@ A recipe that fails its gate is undone (alone) and reported with the numbers tha
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -246,22 +247,51 @@ def _gate(patches: Patches, name: str, sites: list[tuple[Site, list]]) -> Recipe
     return result
 
 
+@contextmanager
+def computing_in(model: torch.nn.Module, dtype: torch.dtype):
+    """The model computes in ``dtype`` while its weights stay stored in their own: each module's parameters are cast
+    when it starts and put back when it ends, so one module's cast weights are alive at a time (an fp32 copy of a
+    30B-parameter bf16 model does not fit beside it on one GPU)."""
+    stored: dict[torch.nn.Parameter, torch.Tensor] = {}
+
+    def cast(module, *_):
+        for param in module.parameters(recurse=False):
+            stored[param], param.data = param.data, param.data.to(dtype)
+
+    def restore(module, *_):
+        for param in module.parameters(recurse=False):
+            param.data = stored.pop(param)
+
+    owners = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+    handles = [h for m in owners for h in (m.register_forward_pre_hook(cast), m.register_forward_hook(restore))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for param, data in stored.items():  # a forward that raised half-way
+            param.data = data
+
+
 def _decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, forced: torch.Tensor | None,
-            changes: list[Change], engine_recipes: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy decode ``steps`` steps; with ``forced`` (the reference's picks) the next input is always the reference's.
-    Returns the logits [steps, batch, vocab] (float64) and this model's own picks [steps + 1, batch]."""
-    engine = DecodeEngine(model, prompt.shape[0], prompt.shape[1] + steps + 1)
+            changes: list[Change], engine_recipes: list,
+            dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decode ``steps`` steps (computing in ``dtype`` if given); with ``forced`` (the reference's picks) the
+    next input is always the reference's. Returns the logits [steps, batch, vocab] (float64) and this model's own
+    picks [steps + 1, batch]."""
+    engine = DecodeEngine(model, prompt.shape[0], prompt.shape[1] + steps + 1, dtype=dtype)
     changes = changes + [(site := engine_site(a, engine)).bind(site.replacement) for a in engine_recipes]
     for change in changes:
         change.redo()
     try:
-        engine.prefill(prompt)
-        picks, logits = [engine.tokens[:, 0].clone()], []
-        for step in range(steps):
-            if forced is not None:
-                engine.tokens[:, 0].copy_(forced[step])
-            logits.append(engine.step().double().cpu())
-            picks.append(engine.tokens[:, 0].clone())
+        with computing_in(model, dtype) if dtype is not None else nullcontext():
+            engine.prefill(prompt)
+            picks, logits = [engine.tokens[:, 0].clone()], []
+            for step in range(steps):
+                if forced is not None:
+                    engine.tokens[:, 0].copy_(forced[step])
+                logits.append(engine.step().double().cpu())
+                picks.append(engine.tokens[:, 0].clone())
     finally:
         for change in reversed(changes):
             change.undo()
@@ -282,13 +312,12 @@ def end_to_end(patches: Patches, names: list[str], concurrencies=(1, 4), steps: 
     engine_recipes = [a for a in chosen if a.recipe.patch_kind == "engine"]
     results = []
     with torch.inference_mode(), patches.suspended():
-        reference_model = model if dtype == torch.float32 else copy.deepcopy(model).float()
         for concurrency in concurrencies:
             prompt = _prompt(model, concurrency, prompt_len, seed + concurrency).to(next(model.parameters()).device)
-            want, picks = _decode(reference_model, prompt, steps, None, [], [])
-            if reference_model is model:
-                base, base_picks = want, picks
+            if dtype == torch.float32:
+                want, picks = base, base_picks = _decode(model, prompt, steps, None, [], [])
             else:
+                want, picks = _decode(model, prompt, steps, None, [], [], dtype=torch.float32)
                 base, base_picks = _decode(model, prompt, steps, picks, [], [])
             got, got_picks = _decode(model, prompt, steps, picks, model_changes, engine_recipes)
             rel = ((got - want).norm() / want.norm()).item()
@@ -299,7 +328,6 @@ def end_to_end(patches: Patches, names: list[str], concurrencies=(1, 4), steps: 
             min_top1 = top1_base - (0.0 if dtype == torch.float32 else E2E_SLACK[loosest])
             results.append(EndToEnd(concurrency, steps, rel <= bound and top1 >= min_top1, rel, rel_base, bound,
                                     top1, top1_base, min_top1, tuple(names)))
-        del reference_model
     return results
 
 

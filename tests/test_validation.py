@@ -1,12 +1,14 @@
 """The validation gate passes the built-in recipes and rejects wrong kernels, rolling back only the failing recipe."""
 
+import copy
+
 import pytest
 import torch
 
 from optiq.models import load_model
 from optiq.patching import apply, unpatch
 from optiq.recipes import load_catalog
-from optiq.validation import validate
+from optiq.validation import _decode, validate
 from wrong_kernels import user_recipe
 
 FAST = {"concurrencies": (1, 2), "steps": 3, "prompt_len": 5}
@@ -51,3 +53,25 @@ def test_wrong_kernels_are_rolled_back_and_others_stay(tmp_path, base, fusion, w
     assert report.recipes["greedy_sample"].passed and all(e.passed for e in report.end_to_end)
     assert model.config._attn_implementation == "sdpa"
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3-moe"])
+def test_computing_in_fp32_equals_an_fp32_copy_and_restores_the_weights(preset):
+    model = load_model(preset, torch.bfloat16, torch.device("cpu"))
+    stored = [(p, p.data_ptr()) for p in model.parameters()]
+    prompt = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want, want_picks = _decode(copy.deepcopy(model).float(), prompt, 4, None, [], [])
+        got, got_picks = _decode(model, prompt, 4, None, [], [], dtype=torch.float32)
+    assert torch.equal(got, want) and torch.equal(got_picks, want_picks)
+    assert all(p is q and p.data_ptr() == address and p.dtype == torch.bfloat16
+               for (p, address), q in zip(stored, model.parameters()))
+
+
+def test_bf16_model_is_gated_against_itself_computing_in_fp32():
+    model = load_model("tiny-llama", torch.bfloat16, torch.device("cpu"))
+    patches = apply(model, [load_catalog()["rmsnorm"]])
+    report = validate(patches, concurrencies=(1,), steps=3, prompt_len=5)
+    assert report.passed, report
+    (check,) = report.end_to_end
+    assert 0 < check.rel_err_unpatched < 0.05 and check.rel_err <= check.bound
