@@ -75,3 +75,13 @@ def test_bf16_model_is_gated_against_itself_computing_in_fp32():
     assert report.passed, report
     (check,) = report.end_to_end
     assert 0 < check.rel_err_unpatched < 0.05 and check.rel_err <= check.bound
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph mode needs CUDA")
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3-moe"])
+def test_graph_mode_gate_checks_the_captured_patched_model(preset):
+    model = load_model(preset, torch.bfloat16, torch.device("cuda"))
+    patches = apply(model, [r for name, r in load_catalog().items() if name != "swiglu"])
+    report = validate(patches, concurrencies=(1, 16), steps=8, prompt_len=5, mode="graph")
+    assert report.passed, report
+    assert not report.rolled_back and all(e.top1 >= e.min_top1 for e in report.end_to_end)

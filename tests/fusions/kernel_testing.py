@@ -14,3 +14,26 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def seed_of(request) -> int:
     """A seed of the test's own (its node name), so every case draws different inputs, reproducibly."""
     return zlib.crc32(request.node.name.encode())
+
+
+def assert_identical(got, want):
+    """Bit for bit, tensors or sequences of them."""
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def assert_graph_replay_and_compile(run, refill, expect=None, same=assert_identical, compile=True):
+    """The op keeps nothing on the host, so a serving engine can capture it and torch.compile can trace it.
+
+    ``run()`` calls the op on fixed input tensors. Under torch.compile(fullgraph=True) it must give what eager gives;
+    captured into a CUDA graph and replayed after ``refill()`` wrote new values into those inputs, it must give what
+    ``expect()`` (default: eager ``run()``) gives on them. ``same(got, want)`` asserts a match."""
+    expected = run()  # also compiles the Triton kernels, outside the capture
+    if compile:
+        same(torch.compile(run, fullgraph=True)(), expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    refill()
+    want = (expect or run)()
+    graph.replay()
+    same(captured, want)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fusions.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference
-from kernel_testing import SMALL_DEVICE, needs_cuda, seed_of
+from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 # The sum is rounded to the model dtype, then the norm rounds twice; the interpreter truncates.
 TOLERANCE = {
@@ -83,14 +83,6 @@ def test_matches_reference_cuda(request, hidden, rows, dtype, offset):
 @needs_cuda
 def test_cuda_graph_and_compile(request):
     x, residual, weight = make_inputs((16, 4096), torch.bfloat16, "cuda", seed_of(request))
-    expected = add_rmsnorm(x, residual, weight, EPS)
-    compiled = torch.compile(lambda x, residual: add_rmsnorm(x, residual, weight, EPS), fullgraph=True)
-    for got, want in zip(compiled(x, residual), expected):
-        assert torch.equal(got, want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = add_rmsnorm(x, residual, weight, EPS)
-    x.copy_(make_inputs((16, 4096), torch.bfloat16, "cuda", seed_of(request) + 1)[0])
-    graph.replay()
-    for got, want in zip(captured, add_rmsnorm(x, residual, weight, EPS)):
-        assert torch.equal(got, want)
+    assert_graph_replay_and_compile(
+        lambda: add_rmsnorm(x, residual, weight, EPS),
+        lambda: x.copy_(make_inputs((16, 4096), torch.bfloat16, "cuda", seed_of(request) + 1)[0]))

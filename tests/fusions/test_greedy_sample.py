@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fusions.greedy_sample import greedy_sample, greedy_sample_reference
-from kernel_testing import SMALL_DEVICE, needs_cuda, seed_of
+from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 POISON = -1  # no valid token id
 
@@ -94,12 +94,7 @@ def test_nan_cuda():
 @needs_cuda
 def test_cuda_graph_and_compile(request):
     logits = make_logits((16, 128256), torch.bfloat16, "cuda", seed_of(request))
-    expected = greedy_sample(logits)
-    compiled = torch.compile(greedy_sample, fullgraph=True)
-    assert torch.equal(compiled(logits), expected)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = greedy_sample(logits)
-    logits.copy_(make_logits((16, 128256), torch.bfloat16, "cuda", seed_of(request) + 1))
-    graph.replay()
-    assert torch.equal(captured, greedy_sample_reference(logits))
+    assert_graph_replay_and_compile(
+        lambda: greedy_sample(logits),
+        lambda: logits.copy_(make_logits((16, 128256), torch.bfloat16, "cuda", seed_of(request) + 1)),
+        expect=lambda: greedy_sample_reference(logits))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fusions.qkv_proj import benchmark_case, concat_qkv_weights, qkv_proj, qkv_proj_reference
-from kernel_testing import CUDA, needs_cuda
+from kernel_testing import CUDA, assert_graph_replay_and_compile, needs_cuda
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -91,3 +91,11 @@ def test_benchmark_case_cuda():
     case = benchmark_case(16, torch.bfloat16, "cuda")
     for got, want in zip(case["fused"](), case["eager"](), strict=True):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@needs_cuda
+def test_cuda_graph_and_compile_cuda():
+    sizes = (4096, 1024, 1024)
+    x, weights, _ = make_inputs(60, (16,), 4096, sizes, torch.bfloat16, "cuda", with_bias=False)
+    weight = concat_qkv_weights(*weights)
+    assert_graph_replay_and_compile(lambda: qkv_proj(x, weight, sizes), lambda: x.copy_(torch.randn_like(x)))

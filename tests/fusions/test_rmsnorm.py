@@ -6,7 +6,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from fusions.rmsnorm import rmsnorm, rmsnorm_reference
-from kernel_testing import SMALL_DEVICE, needs_cuda, seed_of
+from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 # bf16/fp16 round twice (normed, then times weight); the interpreter truncates instead of rounding.
 TOLERANCE = {
@@ -98,12 +98,6 @@ def test_matches_reference_cuda(request, hidden, rows, dtype, offset):
 @needs_cuda
 def test_cuda_graph_and_compile(request):
     x, weight = make_inputs((16, 4096), torch.bfloat16, "cuda", seed_of(request))
-    expected = rmsnorm(x, weight, EPS)
-    compiled = torch.compile(lambda x: rmsnorm(x, weight, EPS), fullgraph=True)
-    assert torch.equal(compiled(x), expected)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = rmsnorm(x, weight, EPS)
-    x.copy_(make_inputs((16, 4096), torch.bfloat16, "cuda", seed_of(request) + 1)[0])
-    graph.replay()
-    assert torch.equal(captured, rmsnorm(x, weight, EPS))
+    assert_graph_replay_and_compile(
+        lambda: rmsnorm(x, weight, EPS),
+        lambda: x.copy_(make_inputs((16, 4096), torch.bfloat16, "cuda", seed_of(request) + 1)[0]))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fusions.rope import benchmark_case, rope, rope_reference
-from kernel_testing import CUDA, needs_cuda
+from kernel_testing import CUDA, assert_graph_replay_and_compile, needs_cuda
 
 # The interpreter rounds to bf16 by truncation, and rope rounds to the model dtype several times, as HF does.
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -186,22 +186,18 @@ def test_bitwise_equal_to_hf_eager_cuda(dtype):
 
 @needs_cuda
 def test_cuda_graph_replay_cuda():
-    """No host sync: the op captures into a CUDA graph and, replayed, follows new positions and inputs."""
+    """The in-place op, captured, follows new positions and inputs when replayed (compiled: see the custom-op test)."""
     case = Case(seed=90, batch=4, heads_q=32, heads_kv=8, seq=1, head_dim=128, dtype=torch.bfloat16, device="cuda",
                 qk_norm=True, positions=[0, 1, 2, 3], cache_len=64)
     originals = (case.q.clone(), case.k.clone())
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        rope(case.q, case.k, case.cos, case.sin, *case.norms, EPS, **case.cache)  # warm-up: compile outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        rope(case.q, case.k, case.cos, case.sin, *case.norms, EPS, **case.cache)
-    case.q.copy_(originals[0])
-    case.k.copy_(originals[1])
-    case.cache["positions"].copy_(torch.tensor([9, 40, 63, 5]))
-    expected = case.reference()
-    graph.replay()
+
+    def refill():
+        case.q.copy_(originals[0])
+        case.k.copy_(originals[1])
+        case.cache["positions"].copy_(torch.tensor([9, 40, 63, 5]))
+
     results = (case.q, case.k, case.cache["k_cache"], case.cache["v_cache"])
-    assert_matches(results, expected, torch.bfloat16)
+    assert_graph_replay_and_compile(
+        lambda: rope(case.q, case.k, case.cos, case.sin, *case.norms, EPS, **case.cache), refill,
+        expect=case.reference,
+        same=lambda _, expected: assert_matches(results, expected, torch.bfloat16), compile=False)

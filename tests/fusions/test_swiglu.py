@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fusions.swiglu import swiglu, swiglu_reference
-from kernel_testing import SMALL_DEVICE, needs_cuda, seed_of
+from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 # bf16/fp16 round twice (silu, then the product); the interpreter truncates instead of rounding.
 TOLERANCE = {
@@ -76,12 +76,6 @@ def test_matches_reference_cuda(request, inter, rows, dtype):
 @needs_cuda
 def test_cuda_graph_and_compile(request):
     gate_up = make_input((16, 2 * 14336), torch.bfloat16, "cuda", seed_of(request))
-    expected = swiglu(gate_up)
-    compiled = torch.compile(swiglu, fullgraph=True)
-    assert torch.equal(compiled(gate_up), expected)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = swiglu(gate_up)
-    gate_up.copy_(make_input((16, 2 * 14336), torch.bfloat16, "cuda", seed_of(request) + 1))
-    graph.replay()
-    assert torch.equal(captured, swiglu(gate_up))
+    assert_graph_replay_and_compile(
+        lambda: swiglu(gate_up),
+        lambda: gate_up.copy_(make_input((16, 2 * 14336), torch.bfloat16, "cuda", seed_of(request) + 1)))

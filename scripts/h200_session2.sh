@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Device calls of session 2 (H200, carry .whl). Usage: scripts/h200_session2.sh STAGE...
+#   tests          the kernels' GPU tests (preset shapes, CUDA-graph replay, torch.compile) and the graph-mode gate
+#   apply:MODEL    optiq apply-fusion --model MODEL --recipes auto --compare compile on workload W1
+#                  (C=1,16,64, prompt 512, 128 new tokens, cache 1024, 3 repeats)
+#   profile:MODEL  optiq profile --model MODEL --concurrency 64
+# Every run directory comes back as MODEL-KIND.tgz (eager traces left out when the archive would pass 15 MB).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 OPTIQ_CACHE_DIR=/tmp/optiq-cache
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee -a $OUT/log.txt
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
+  | tee -a $OUT/log.txt
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)" | tee -a $OUT/log.txt
+  case $stage in
+    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -k "not _cpu" tests/fusions \
+             tests/test_validation.py::test_graph_mode_gate_checks_the_captured_patched_model 2>&1 | tee -a $OUT/log.txt ;;
+    apply:*) python3 -m optiq apply-fusion --model "${stage#apply:}" --recipes auto --compare compile \
+               --runs-dir "$OUT/runs/${stage#apply:}-apply" 2>&1 | tee -a $OUT/log.txt ;;
+    profile:*) python3 -m optiq profile --model "${stage#profile:}" --concurrency 64 --top 1 \
+                 --runs-dir "$OUT/runs/${stage#profile:}-profile" 2>&1 | tee -a $OUT/log.txt ;;
+  esac
+done
+cd $OUT/runs 2>/dev/null || exit 0
+for run in *; do
+  tar -czf "../$run.tgz" "$run"
+  [ "$(stat -c %s "../$run.tgz")" -lt 15000000 ] || tar -czf "../$run.tgz" --exclude='*eager*' "$run"
+done
+cd .. && rm -rf runs
