@@ -9,11 +9,12 @@ Two checks, both against a higher-precision reference rather than against the mo
    run in float64. Rule: ``err(fused) <= factor * err(unfused) + floor * eps(model dtype)`` at every call, with
    ``err`` the norm of the difference over the norm of the reference, and (factor, floor) from the recipe's tolerance
    class (GATE). ``exact`` means bitwise equal to the unfused path.
-2. End to end: teacher-forced greedy decode over ``steps`` steps at each concurrency with the DecodeEngine. The
+2. End to end: teacher-forced greedy decode over ``steps`` steps at each concurrency with the DecodeEngine, in the
+   engine mode that will be measured (so a patch that breaks under CUDA-graph capture fails here). The
    reference is the unpatched model itself for an fp32 model (then every greedy pick must be identical) or the same
-   model computing in fp32 otherwise (then the unpatched model's own distance to fp32 sets the scale). Rule: relative logits error
-   ``<= factor * err(unpatched) + E2E_FLOOR_EPS * eps(fp32)``, top-1 agreement ``>= agreement(unpatched) - slack``,
-   with factor and slack from the loosest tolerance among the recipes.
+   model computing in fp32 otherwise (then the unpatched model's own distance to fp32 sets the scale). Rule:
+   relative logits error ``<= factor * err(unpatched) + E2E_FLOOR_EPS * eps(fp32)``, top-1 agreement
+   ``>= agreement(unpatched) - slack``, with factor and slack from the loosest tolerance among the recipes.
 
 A recipe that fails its gate is undone (alone) and reported with the numbers that failed it; the others stay.
 """
@@ -274,12 +275,12 @@ def computing_in(model: torch.nn.Module, dtype: torch.dtype):
 
 
 def _decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, forced: torch.Tensor | None,
-            changes: list[Change], engine_recipes: list,
+            changes: list[Change], engine_recipes: list, mode: str = "eager",
             dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy decode ``steps`` steps (computing in ``dtype`` if given); with ``forced`` (the reference's picks) the
-    next input is always the reference's. Returns the logits [steps, batch, vocab] (float64) and this model's own
-    picks [steps + 1, batch]."""
-    engine = DecodeEngine(model, prompt.shape[0], prompt.shape[1] + steps + 1, dtype=dtype)
+    """Greedy decode ``steps`` steps in engine ``mode`` (computing in ``dtype`` if given); with ``forced`` (the
+    reference's picks) the next input is always the reference's. Returns the logits [steps, batch, vocab] (float64)
+    and this model's own picks [steps + 1, batch]."""
+    engine = DecodeEngine(model, prompt.shape[0], prompt.shape[1] + steps + 1, mode=mode, dtype=dtype)
     changes = changes + [(site := engine_site(a, engine)).bind(site.replacement) for a in engine_recipes]
     for change in changes:
         change.redo()
@@ -300,8 +301,10 @@ def _decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, forced: to
 
 
 def end_to_end(patches: Patches, names: list[str], concurrencies=(1, 4), steps: int = 64, prompt_len: int = 16,
-               seed: int = 0) -> list[EndToEnd]:
-    """Teacher-forced decode of the model with recipes ``names`` applied against the reference (module docstring)."""
+               seed: int = 0, mode: str = "eager") -> list[EndToEnd]:
+    """Teacher-forced decode of the model with recipes ``names`` applied against the reference (module docstring).
+    The model runs in engine ``mode`` (in graph mode, its captured graphs are what is checked); the fp32 reference
+    runs eager."""
     model = patches.model
     dtype = next(model.parameters()).dtype
     chosen = [patches.applied[n] for n in names]
@@ -315,11 +318,11 @@ def end_to_end(patches: Patches, names: list[str], concurrencies=(1, 4), steps: 
         for concurrency in concurrencies:
             prompt = _prompt(model, concurrency, prompt_len, seed + concurrency).to(next(model.parameters()).device)
             if dtype == torch.float32:
-                want, picks = base, base_picks = _decode(model, prompt, steps, None, [], [])
+                want, picks = base, base_picks = _decode(model, prompt, steps, None, [], [], mode)
             else:
                 want, picks = _decode(model, prompt, steps, None, [], [], dtype=torch.float32)
-                base, base_picks = _decode(model, prompt, steps, picks, [], [])
-            got, got_picks = _decode(model, prompt, steps, picks, model_changes, engine_recipes)
+                base, base_picks = _decode(model, prompt, steps, picks, [], [], mode)
+            got, got_picks = _decode(model, prompt, steps, picks, model_changes, engine_recipes, mode)
             rel = ((got - want).norm() / want.norm()).item()
             rel_base = ((base - want).norm() / want.norm()).item()
             top1 = (got_picks[1:] == picks[1:]).double().mean().item()
@@ -332,7 +335,7 @@ def end_to_end(patches: Patches, names: list[str], concurrencies=(1, 4), steps: 
 
 
 def validate(patches: Patches, concurrencies=(1, 4), steps: int = 64, prompt_len: int = 16,
-             seed: int = 0) -> Validation:
+             seed: int = 0, mode: str = "eager") -> Validation:
     """Gate every applied recipe, undo those that fail, then check the survivors end to end; a recipe that fails end
     to end on its own is undone too, and if the set still fails only together, all of it is."""
     report = Validation()
@@ -345,11 +348,11 @@ def validate(patches: Patches, concurrencies=(1, 4), steps: int = 64, prompt_len
             patches.undo(name)
             report.rolled_back.append(name)
     kept = list(patches.applied)
-    report.end_to_end = end_to_end(patches, kept, concurrencies, steps, prompt_len, seed) if kept else []
+    report.end_to_end = end_to_end(patches, kept, concurrencies, steps, prompt_len, seed, mode) if kept else []
     if all(e.passed for e in report.end_to_end):
         return report
     for name in kept:
-        alone = end_to_end(patches, [name], concurrencies, steps, prompt_len, seed)
+        alone = end_to_end(patches, [name], concurrencies, steps, prompt_len, seed, mode)
         failed = next((e for e in alone if not e.passed), None)
         if failed is not None:
             report.recipes[name].passed = False
@@ -358,7 +361,7 @@ def validate(patches: Patches, concurrencies=(1, 4), steps: int = 64, prompt_len
                                            f"(min {failed.min_top1:.3f})")
     together = [n for n in kept if report.recipes[n].passed]
     if together:
-        report.end_to_end = end_to_end(patches, together, concurrencies, steps, prompt_len, seed)
+        report.end_to_end = end_to_end(patches, together, concurrencies, steps, prompt_len, seed, mode)
         if not all(e.passed for e in report.end_to_end):
             for name in together:
                 report.recipes[name].passed = False

@@ -136,7 +136,7 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
         started = time.perf_counter()
         with err.status(f"validating {', '.join(patches.applied)}"):
             gate = validate(patches, concurrencies=tuple(concurrencies), steps=gate_steps,
-                            prompt_len=min(prompt_len, max_len - gate_steps - 1))
+                            prompt_len=min(prompt_len, max_len - gate_steps - 1), mode=mode)
         report["timings"]["gate_s"] = time.perf_counter() - started
         report["gate"] = {"recipes": {n: asdict(r) for n, r in gate.recipes.items()},
                           "end_to_end": [asdict(e) for e in gate.end_to_end]}
