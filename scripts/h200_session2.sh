@@ -4,6 +4,7 @@
 #   apply:MODEL    optiq apply-fusion --model MODEL --recipes auto --compare compile on workload W1
 #                  (C=1,16,64, prompt 512, 128 new tokens, cache 1024, 3 repeats)
 #   profile:MODEL  optiq profile --model MODEL --concurrency 64
+#   rope           scripts/rope_rounding.py: which rounding the rope kernel does on the GPU
 # Every run directory comes back as MODEL-KIND.tgz (eager traces left out when the archive would pass 15 MB).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
@@ -18,6 +19,7 @@ for stage in "$@"; do
              tests/test_validation.py::test_graph_mode_gate_checks_the_captured_patched_model 2>&1 | tee -a $OUT/log.txt ;;
     apply:*) python3 -m optiq apply-fusion --model "${stage#apply:}" --recipes auto --compare compile \
                --runs-dir "$OUT/runs/${stage#apply:}-apply" 2>&1 | tee -a $OUT/log.txt ;;
+    rope) python3 scripts/rope_rounding.py 2>&1 | tee -a $OUT/log.txt ;;
     profile:*) python3 -m optiq profile --model "${stage#profile:}" --concurrency 64 --top 1 \
                  --runs-dir "$OUT/runs/${stage#profile:}-profile" 2>&1 | tee -a $OUT/log.txt ;;
   esac
