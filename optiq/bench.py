@@ -106,7 +106,8 @@ def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: 
 
 def sweep(model: torch.nn.Module, concurrencies: list[int], workload: Workload, variants: list[tuple[str, str, object]],
           bandwidth: float, on_row=None, on_start=None, engine_patches=None) -> list[dict]:
-    """Measure every (variant, concurrency); a concurrency that runs out of memory is recorded and the sweep goes on.
+    """Measure every (variant, concurrency); a point that runs out of memory, or where the peer (a variant with its own
+    ``forward``, e.g. torch.compile) fails, is recorded and the sweep goes on.
 
     ``variants`` holds ``(name, mode, forward)`` triples; ``on_row(rows)`` runs after each point (to save results as
     they come), ``on_start(variant, concurrency)`` before each (for progress).
@@ -119,11 +120,13 @@ def sweep(model: torch.nn.Module, concurrencies: list[int], workload: Workload, 
             try:
                 row = measure_point(model, batch, workload, mode, bandwidth, forward=forward, variant=name,
                                     engine_patches=engine_patches)
-            except Exception as exc:  # noqa: BLE001 - only out-of-memory is recorded; anything else propagates
-                if not is_out_of_memory(exc):
+            except Exception as exc:  # noqa: BLE001 - out-of-memory and a failing peer are recorded; the rest raises
+                peer_failed = forward is not None  # torch.compile is the peer's code, not ours: its failure is a result
+                if not (is_out_of_memory(exc) or peer_failed):
                     raise
-                row = {"variant": name, "mode": mode, "concurrency": batch, "status": "oom",
-                       "error": str(exc).splitlines()[0][:300]}
+                row = {"variant": name, "mode": mode, "concurrency": batch,
+                       "status": "oom" if is_out_of_memory(exc) else "failed",
+                       "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
             free_memory()
             rows.append(row)
             if on_row:

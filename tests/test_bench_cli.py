@@ -5,9 +5,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from click.testing import CliRunner
 
+from optiq.bench import Workload, sweep
 from optiq.cli import cli
+from optiq.models import load_model
 
 FAST = ["--model", "tiny-llama", "--prompt-len", "8", "--new-tokens", "4", "--max-len", "32", "--repeats", "2"]
 
@@ -82,3 +85,16 @@ def test_python_dash_m_entry_point(tmp_path):
                            "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["rows"][0]["tok_per_s"] > 0
+
+
+def test_a_failing_peer_is_recorded_and_the_sweep_goes_on():
+    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+
+    def broken_peer(**kwargs):
+        raise RuntimeError("inductor gave up")
+
+    variants = [("eager", "eager", None), ("compile+eager", "eager", broken_peer)]
+    rows = sweep(model, [1, 2], Workload(8, 2, 32, 1), variants, bandwidth=1e11)
+    assert [(r["variant"], r["status"]) for r in rows] == [
+        ("eager", "ok"), ("eager", "ok"), ("compile+eager", "failed"), ("compile+eager", "failed")]
+    assert rows[2]["error"] == "RuntimeError: inductor gave up"
