@@ -26,7 +26,8 @@ def candidates(q, cos, sin):
             "round once": (x1.double() * c.double() - x2.double() * s.double()).to(dt)}
 
 
-torch.inference_mode().__enter__()  # torch 2.11 fails an in-place custom op whose trailing optional args are None
+inference = torch.inference_mode()  # torch 2.11 fails the in-place op with its trailing optional args None otherwise
+inference.__enter__()
 for dtype in (torch.bfloat16, torch.float16):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(64, 32, 1, 128, generator=gen, device="cuda", dtype=dtype)
