@@ -175,13 +175,15 @@ def test_presets_cuda(preset, batch, seq):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_bitwise_equal_to_hf_eager_cuda(dtype):
-    """Without the norm, every rounding is where HF's eager ops round, so the results are identical."""
-    case = Case(seed=80, batch=8, heads_q=32, heads_kv=8, seq=1, head_dim=128, dtype=dtype, device="cuda",
-                positions=list(range(8)), cache_len=16)
-    expected = rope_reference(case.q, case.k, case.cos, case.sin, **case.cache)
-    for got, want in zip(case.run(), expected, strict=True):
-        assert torch.equal(got, want)
+def test_no_less_accurate_than_hf_eager_cuda(dtype):
+    """HF rounds both products and the sum; on the GPU the compiler folds one product into an FMA (measured on the
+    H200: the kernel equals fma(x1, cos, -round(x2 * sin)) bit for bit), so the kernel is not bit-identical to HF but
+    must be at least as close to float64."""
+    case = Case(seed=80, batch=64, heads_q=32, heads_kv=8, seq=1, head_dim=128, dtype=dtype, device="cuda",
+                positions=list(range(64)), cache_len=128)
+    exact, hf = case.reference(), rope_reference(case.q, case.k, case.cos, case.sin, **case.cache)
+    for got, theirs, want in zip(case.run(), hf, exact, strict=True):
+        assert (got.double() - want).norm() <= (theirs.double() - want).norm()
 
 
 @needs_cuda
