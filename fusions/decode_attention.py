@@ -27,7 +27,7 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _split_kernel(
+def _decode_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, partial_out_ptr, partial_lse_ptr,
     scale_log2e,
     q_stride_b, q_stride_h,
@@ -103,7 +103,7 @@ def _split_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def _decode_attention_combine_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr, head_dim, num_splits,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -178,7 +178,7 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty((batch, 1, num_q_heads, head_dim), device=q.device, dtype=q.dtype)
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    torch.library.wrap_triton(_split_kernel)[(batch * num_kv_heads, splits)](
+    torch.library.wrap_triton(_decode_attention_split_kernel)[(batch * num_kv_heads, splits)](
         q, k_cache, v_cache, lengths, partial_out, partial_lse,
         scale * LOG2E,
         q.stride(0), q.stride(1),
@@ -189,7 +189,7 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         UPCAST_DOT=interpreted, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
-    torch.library.wrap_triton(_combine_kernel)[(batch * num_q_heads,)](
+    torch.library.wrap_triton(_decode_attention_combine_kernel)[(batch * num_q_heads,)](
         partial_out, partial_lse, out, head_dim, splits,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
         num_warps=4,

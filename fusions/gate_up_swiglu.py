@@ -23,7 +23,7 @@ def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor
 
 
 @triton.jit
-def _gate_up_swiglu_kernel(
+def _gate_up_gemm_swiglu_kernel(
     x_ptr, w_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
@@ -88,7 +88,7 @@ def _gate_up_swiglu_op(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor
     config = _tile_config(rows, intermediate)
     grid = (triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(intermediate, config["BLOCK_N"]),)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    torch.library.wrap_triton(_gate_up_swiglu_kernel)[grid](
+    torch.library.wrap_triton(_gate_up_gemm_swiglu_kernel)[grid](
         x2d, w_gate_up, out2d, rows, intermediate, hidden,
         *x2d.stride(), *w_gate_up.stride(), *out2d.stride(),
         FP32_DOT=interpreted or x.dtype == torch.float32, **config,

@@ -1,6 +1,6 @@
 """Name every decoder layer and module role in the profiler's trace (record_function) and in Nsight (NVTX).
 
-Roles are what an engineer fuses by: ``embed``, ``norm``, ``qkv_proj``, ``rope``, ``kv_write``, ``attention``,
+Roles are what an engineer fuses by: ``embed``, ``norm``, ``post_attn_norm``, ``qkv_proj``, ``rope``, ``kv_write``, ``attention``,
 ``repeat_kv`` (GQA's copy of the KV heads, inside attention), ``o_proj``, ``mlp``, ``moe_router``, ``experts``,
 ``lm_head``, ``sampling``. A range is named ``optiq/layer/<i>`` or
 ``optiq/role/<role>``; decode steps are ``optiq/step/<n>``. Annotation installs wrappers on the model's instances for
@@ -26,7 +26,8 @@ NVTX_AVAILABLE = _nvtx is not None
 # Module attribute names -> role; matched against the last component of each submodule's qualified name.
 _ROLE_BY_NAME = {
     "embed_tokens": "embed",
-    "input_layernorm": "norm", "post_attention_layernorm": "norm", "norm": "norm", "q_norm": "norm", "k_norm": "norm",
+    "input_layernorm": "norm", "norm": "norm", "q_norm": "norm", "k_norm": "norm",
+    "post_attention_layernorm": "post_attn_norm",  # its own role: add_rmsnorm fuses this norm only
     "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "qkv_proj": "qkv_proj",
     "self_attn": "attention", "o_proj": "o_proj",
     "mlp": "mlp", "gate": "moe_router", "experts": "experts",

@@ -12,7 +12,7 @@ import re
 from functools import lru_cache
 
 CLASSES = ("copy_", "mul", "add", "clamp_min", "elementwise", "reduction", "bmm", "gemm", "attention", "norm", "rope",
-           "activation", "moe", "sampling", "memcpy/memset", "other")
+           "activation", "grouped_gemm", "routing", "scatter_gather", "sampling", "memcpy/memset", "other")
 UNATTRIBUTED = "unattributed"  # GPU time that neither linkage, alignment nor the kernel name could place
 
 # Exact aten op names (without the "aten::" namespace and the in-place/out "_" suffix) -> class.
@@ -39,8 +39,11 @@ _ATEN = {
                      "native_group_norm", "batch_norm", "native_batch_norm"), "norm"),
     **dict.fromkeys(("silu", "gelu", "relu", "sigmoid", "tanh", "softplus", "hardswish", "mish", "glu", "elu",
                      "leaky_relu"), "activation"),
-    **dict.fromkeys(("topk", "sort", "argsort", "scatter", "scatter_add", "scatter_reduce", "gather", "_grouped_mm",
-                     "index_add", "bincount", "histc"), "moe"),
+    # MoE: the experts' GEMMs, the router's top-k, and packing tokens per expert and back (sort, count, move)
+    **dict.fromkeys(("_grouped_mm", "grouped_mm"), "grouped_gemm"),
+    **dict.fromkeys(("topk",), "routing"),
+    **dict.fromkeys(("sort", "argsort", "scatter", "scatter_add", "scatter_reduce", "gather", "index_add", "bincount",
+                     "histc"), "scatter_gather"),
     **dict.fromkeys(("argmax", "argmin", "multinomial", "exponential", "uniform", "bernoulli"), "sampling"),
     **dict.fromkeys(("neg", "pow", "rsqrt", "sqrt", "exp", "log", "div", "sub", "where", "fill", "zero", "eq", "ne",
                      "lt", "le", "gt", "ge", "cos", "sin", "arange", "masked_fill", "bitwise_and", "bitwise_or",
@@ -55,9 +58,11 @@ _KERNEL_PATTERNS = [(re.compile(p, re.IGNORECASE), c) for p, c in [
     (r"^memcpy|^memset|cudaMemcpy|cudaMemset", "memcpy/memset"),
     (r"flash|fmha|sdpa|attention|attn|paged|mla_|decode_kernel.*kv|splitkv", "attention"),
     (r"vectorized_gather_kernel", "other"),  # ATen's index_select / embedding row gather
-    (r"moe|grouped_gemm|grouped_mm|groupproblemshape|ptrarray|topk|radixsort|radix_sort|bitonicsort|sort_kernel|"
-     r"segmented_sort|"
-     r"scatter|gather_kernel|expert", "moe"),
+    # top-k sorts its k winners with a bitonic sort; packing tokens by expert sorts them with a radix sort (H200 MoE)
+    (r"topk|router|routing|bitonicsort", "routing"),
+    (r"moe_align|permute|radixsort|radix_sort|sort_kernel|segmented_sort|scatter|gather_kernel|histogram",
+     "scatter_gather"),
+    (r"moe|grouped_gemm|grouped_mm|groupproblemshape|ptrarray|expert", "grouped_gemm"),
     (r"catarraybatchedcopy|direct_copy|copy_kernel|index_copy|index_put|_to_copy|copy_device_to_device|"
      r"reshape_and_cache|concat_and_cache|store_kvcache|repeat_interleave|cat_kernel", "copy_"),
     (r"batched|bmm", "bmm"),
@@ -110,8 +115,10 @@ def _class_of_fused(kind: str, ops: list[str]) -> str:
             return "norm"
         if found & {"argmax", "argmin", "multinomial", "exponential"}:
             return "sampling"
-        if found & {"topk", "sort"}:
-            return "moe"
+        if "topk" in found:
+            return "routing"
+        if "sort" in found:
+            return "scatter_gather"
         return "reduction"
     if "expand" in found and found & {"clone", "copy"}:
         return "copy_"
@@ -134,12 +141,20 @@ def _aten_base(name: str) -> str | None:
     return base
 
 
+# optiq's own fused ops, by what dominates their time (gate_up_swiglu is a GEMM with SwiGLU in its epilogue).
+_OPTIQ_OPS = {"decode_attention": "attention", "gate_up_swiglu": "gemm", "qkv_proj": "gemm", "rmsnorm": "norm",
+              "add_rmsnorm": "norm", "rope": "rope", "swiglu": "activation", "greedy_sample": "sampling"}
+
+
 @lru_cache(maxsize=None)
 def class_of_op(name: str) -> str:
-    """The class of a CPU op name (``aten::copy_``, an Inductor kernel's launcher op, a vendor op), or "other"."""
+    """The class of a CPU op name (``aten::copy_``, ``optiq::rope``, an Inductor kernel's launcher op, a vendor op),
+    or "other"."""
     base = _aten_base(name)
     if base is not None:
         return _ATEN.get(base, "other")
+    if name.startswith("optiq::") and name[7:] in _OPTIQ_OPS:
+        return _OPTIQ_OPS[name[7:]]
     return class_of_kernel(name)
 
 

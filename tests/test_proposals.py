@@ -62,3 +62,19 @@ def test_analyze_prints_proposals_for_a_model_type():
                                       "llama", "--json"])
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["results"][0]["proposals"][0]["recipe"] == "decode_attention"
+
+
+def test_input_norms_stay_with_rmsnorm_when_add_rmsnorm_takes_the_post_attention_norm(catalog, tmp_path):
+    """add_rmsnorm fuses the post-attention norm only, so the input norms it leaves to HF stay proposable by rmsnorm:
+    a fresh profile (post_attn_norm is its own role) proposes both, and their savings do not overlap."""
+    import torch
+
+    from optiq.models import load_model
+    from optiq.profiling import profile_step
+
+    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    kernels = weighted_kernels([profile_step(model, 2, 8, 32, "eager", tmp_path, 2)])
+    proposals = {p.recipe: p for p in propose(catalog, kernels, "llama")}
+    assert {"rmsnorm", "add_rmsnorm"} <= set(proposals)
+    assert "in norm" in proposals["rmsnorm"].where and "in norm" not in proposals["add_rmsnorm"].where
+    assert {"norm", "post_attn_norm"} <= set(kernels["role"])
