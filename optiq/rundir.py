@@ -14,20 +14,29 @@ from pathlib import Path
 
 import pandas as pd
 
+from optiq.errors import OptiqError
+
 
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename: readers never see half a file."""
+    """Write ``data`` to ``path`` through a temporary file and a rename: readers never see half a file.
+
+    A write the file system refuses (full disk, quota, read-only, permissions) is a one-line OptiqError; the previous
+    version of ``path``, and every other file already written, stays as it was."""
     path = Path(path)
     mode = "wb" if isinstance(data, bytes) else "w"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, mode) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise OptiqError(f"cannot write {path}: {exc.strerror or exc}; files written before are intact") from None
         raise
 
 
@@ -44,9 +53,12 @@ class RunDir:
 
     def __init__(self, root: Path | str, command: str, args: dict):
         root = Path(root)
-        root.mkdir(parents=True, exist_ok=True)
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        self.path = self._claim(root, f"{command}-{stamp}")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            self.path = self._claim(root, f"{command}-{stamp}")
+        except OSError as exc:
+            raise OptiqError(f"cannot create a run directory under {root}: {exc.strerror or exc}") from None
         self.meta = {"command": command, "args": args, "started": _dt.datetime.now().isoformat(), "status": "running"}
         self._write_meta()
 
