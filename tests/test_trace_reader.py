@@ -9,6 +9,7 @@ import random
 from collections import defaultdict
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from data.make_traces import cpu_trace
@@ -240,3 +241,24 @@ def test_real_gpu_traces_in_traces_dir():
             expected[cls] += e["dur"]
         got = read_trace(path).kernels.groupby("op_class")["dur"].sum().to_dict()
         assert got == pytest.approx(dict(expected), rel=1e-12), path.name
+
+
+def test_ranks_with_clock_offsets_attribute_as_if_aligned(tmp_path):
+    """Each rank's clock starts anywhere (here 0 and 5e12 us later, and 3.7 s earlier): steps, idle gaps and totals
+    are measured within a rank, so the offsets change nothing, alone or all ranks together."""
+    from optiq.attribution import attribute
+    from optiq.commands.analyze import read_ranks
+
+    doc = load(DATA / "gpu_eager.json.gz")
+
+    def shifted(rank, offset):
+        events = [dict(e, ts=e["ts"] + offset) if "ts" in e else e for e in doc["traceEvents"]]
+        return str(write_events(tmp_path / f"rank{rank}_{offset}.json", events, distributedInfo={"rank": rank}))
+
+    aligned = attribute(read_ranks([shifted(0, 0), shifted(1, 0)]), "class")
+    offset = attribute(read_ranks([shifted(0, 5e12), shifted(1, -3.7e6)]), "class")
+    pd.testing.assert_frame_equal(aligned.table, offset.table)  # to 1e-5: float timestamps near 5e12 us keep ~1 ns
+    for key, value in aligned.summary.items():
+        assert offset.summary[key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key
+    single = attribute([read_trace(DATA / "gpu_eager.json.gz")], "class")
+    assert offset.summary["gpu_ms_per_step"] == pytest.approx(2 * single.summary["gpu_ms_per_step"])  # both ranks
