@@ -1,9 +1,9 @@
 """Name every decoder layer and module role in the profiler's trace (record_function) and in Nsight (NVTX).
 
-Roles are what an engineer fuses by: ``embed``, ``norm``, ``post_attn_norm``, ``qkv_proj``, ``rope``, ``kv_write``, ``attention``,
-``repeat_kv`` (GQA's copy of the KV heads, inside attention), ``o_proj``, ``mlp``, ``moe_router``, ``experts``,
-``lm_head``, ``sampling``. A range is named ``optiq/layer/<i>`` or
-``optiq/role/<role>``; decode steps are ``optiq/step/<n>``. Annotation installs wrappers on the model's instances for
+Roles are what an engineer fuses by: ``embed``, ``norm``, ``post_attn_norm``, ``qkv_proj``, ``rope``, ``kv_write``,
+``attention``, ``repeat_kv`` (GQA's copy of the KV heads, inside attention), ``kv_expand`` (MLA's latent to keys and
+values), ``o_proj``, ``mlp``, ``moe_router``, ``experts``, ``lm_head``, ``sampling``. A range is named
+``optiq/layer/<i>`` or ``optiq/role/<role>``; decode steps are ``optiq/step/<n>``. Annotation installs wrappers on the model's instances for
 the duration of a ``with annotated(...)`` block and removes them after, so an unannotated model pays nothing.
 """
 
@@ -29,6 +29,9 @@ _ROLE_BY_NAME = {
     "input_layernorm": "norm", "norm": "norm", "q_norm": "norm", "k_norm": "norm",
     "post_attention_layernorm": "post_attn_norm",  # its own role: add_rmsnorm fuses this norm only
     "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "qkv_proj": "qkv_proj",
+    # MLA (DeepSeek-V2/V3): q and the compressed KV latent are projections; expanding the latent is its own role
+    "q_a_proj": "qkv_proj", "q_b_proj": "qkv_proj", "kv_a_proj_with_mqa": "qkv_proj", "kv_b_proj": "kv_expand",
+    "q_a_layernorm": "norm", "kv_a_layernorm": "norm", "shared_experts": "mlp",
     "self_attn": "attention", "o_proj": "o_proj",
     "mlp": "mlp", "gate": "moe_router", "experts": "experts",
     "shared_expert": "mlp", "shared_expert_gate": "moe_router",
@@ -89,7 +92,8 @@ def annotated(model: torch.nn.Module, engine=None):
     modeling = {type(layer.self_attn).__module__ for layer in model.get_decoder().layers}
     for module_name in sorted(modeling | {"transformers.integrations.sdpa_attention"}):
         module = sys.modules.get(module_name)
-        for function, role in (("apply_rotary_pos_emb", "rope"), ("repeat_kv", "repeat_kv")):
+        for function, role in (("apply_rotary_pos_emb", "rope"), ("apply_rotary_emb", "rope"),
+                               ("repeat_kv", "repeat_kv")):
             if module is not None and hasattr(module, function):
                 patch(module, function, f"optiq/role/{role}")
     try:

@@ -23,6 +23,15 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def cache_layout(config) -> tuple[int, int, int]:
+    """(heads, key width, value width) of one layer's cache. MLA models (DeepSeek-V2/V3) cache their compressed latent
+    as one head: the kv_lora_rank-wide latent where keys go and the shared rope key where values go."""
+    if getattr(config, "kv_lora_rank", None):
+        return 1, config.kv_lora_rank, config.qk_rope_head_dim
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_key_value_heads, head_dim, head_dim
+
+
 class DecodeEngine:
     """Decode ``batch`` sequences of one model with a static cache of ``max_len`` positions.
 
@@ -42,10 +51,12 @@ class DecodeEngine:
         self.device, self.dtype = param.device, dtype or param.dtype
         config = model.config.get_text_config(decoder=True)
         self.cache = StaticCache(config=config, max_cache_len=max_len)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # Allocate the whole cache now: a concurrency that does not fit fails here, before any work.
-        self.cache.early_initialization(batch_size=batch, num_heads=config.num_key_value_heads, head_dim=head_dim,
-                                        dtype=self.dtype, device=self.device)
+        # Allocate the whole cache now: a concurrency that does not fit fails here, before any work. (Each layer is
+        # shown empty keys and values of its widths, as transformers' early_initialization does with equal widths.)
+        heads, key_width, value_width = cache_layout(config)
+        for layer in self.cache.layers:
+            layer.lazy_initialization(*(torch.empty(batch, heads, 0, width, dtype=self.dtype, device=self.device)
+                                        for width in (key_width, value_width)))
         self._cache_kw = _cache_kwarg(model)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=self.device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV2Config, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 from optiq.errors import OptiqError
 
@@ -27,6 +27,11 @@ PRESETS = {
         hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, vocab_size=256,
         max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "tiny-deepseek-v2": lambda: DeepseekV2Config(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        vocab_size=256, max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     # Shapes of Qwen/Qwen3-0.6B.
     "qwen3-0.6b": lambda: Qwen3Config(
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -48,6 +53,17 @@ PRESETS = {
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
         norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6,
         max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Shapes of deepseek-ai/DeepSeek-V2-Lite: MLA (512-wide compressed KV latent + 64-wide shared rope key, no q
+    # compression), 27 layers of which the first is dense, 64 routed experts (6 per token) and 2 shared ones.
+    "deepseek-v2-lite": lambda: DeepseekV2Config(
+        hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        first_k_dense_replace=1, routed_scaling_factor=1.0, topk_method="greedy", norm_topk_prob=False,
+        vocab_size=102400, tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=163840,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 0.707, "mscale_all_dim": 0.707}),
 }
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from optiq.engine import cache_layout
 from optiq.rundir import write_json
 from optiq.timing import Timer
 
@@ -82,9 +83,9 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> float:
 def kv_bytes_per_step(model: torch.nn.Module, batch: int, length: float) -> float:
     """KV-cache bytes attention must read when each of ``batch`` sequences holds ``length`` positions."""
     config = model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads, key_width, value_width = cache_layout(config)
     element = next(model.parameters()).element_size()
-    return 2 * config.num_hidden_layers * batch * config.num_key_value_heads * head_dim * length * element
+    return config.num_hidden_layers * batch * heads * (key_width + value_width) * length * element
 
 
 def floor_ms_per_step(model: torch.nn.Module, batch: int, mean_length: float, bandwidth: float) -> float:

@@ -7,22 +7,28 @@ from optiq.engine import DecodeEngine
 from optiq.models import load_model
 
 
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v2"])
+def decoder(request):
+    """The tiny presets: llama-style GQA, a Qwen3 MoE, and DeepSeek-V2's MLA (its cache holds the compressed latent)."""
+    return load_model(request.param, torch.float32, torch.device("cpu"))
+
+
 def _prompt(model, batch, length, seed=1):
     vocab = model.config.vocab_size
     return torch.randint(vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @torch.inference_mode()
-def test_decode_matches_full_recompute(tiny_model):
+def test_decode_matches_full_recompute(decoder):
     """Each cached decode step's logits equal a cache-free forward over prompt + generated tokens."""
     batch, prompt_len, steps = 3, 11, 6
-    engine = DecodeEngine(tiny_model, batch, max_len=32)
-    prompt = _prompt(tiny_model, batch, prompt_len)
+    engine = DecodeEngine(decoder, batch, max_len=32)
+    prompt = _prompt(decoder, batch, prompt_len)
     engine.prefill(prompt)
     sequence = torch.cat([prompt, engine.tokens.clone()], dim=1)
     for _ in range(steps):
         logits = engine.step().clone()
-        reference = tiny_model(input_ids=sequence).logits[:, -1]
+        reference = decoder(input_ids=sequence).logits[:, -1]
         torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
         sequence = torch.cat([sequence, engine.tokens.clone()], dim=1)
     assert engine.length == prompt_len + steps
@@ -31,11 +37,11 @@ def test_decode_matches_full_recompute(tiny_model):
 
 
 @torch.inference_mode()
-def test_seek_replays_the_same_decode(tiny_model):
+def test_seek_replays_the_same_decode(decoder):
     """Rewinding to the prompt and restoring the first token reproduces the decode exactly (the timing loop relies
     on it)."""
-    engine = DecodeEngine(tiny_model, 2, max_len=32)
-    engine.prefill(_prompt(tiny_model, 2, 8))
+    engine = DecodeEngine(decoder, 2, max_len=32)
+    engine.prefill(_prompt(decoder, 2, 8))
     first = engine.tokens.clone()
     run1 = [engine.step().clone() for _ in range(5)]
     engine.seek(8)

@@ -23,6 +23,17 @@ def test_preset_has_the_real_models_parameter_count(preset):
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMETERS[preset]
 
 
+def test_deepseek_v2_lite_preset_has_the_model_cards_size():
+    """The model card gives 15.7B parameters (no exact count published beside it): MLA, 64 + 2 experts, 27 layers."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config("deepseek-v2-lite"))
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == 15.7
+    attention = model.model.layers[0].self_attn
+    assert (attention.kv_lora_rank, attention.qk_rope_head_dim, attention.num_heads) == (512, 64, 16)
+    assert type(model.model.layers[0].mlp).__name__ == "DeepseekV2MLP"  # first_k_dense_replace = 1
+    assert len(model.model.layers[1].mlp.experts.gate_up_proj) == 64
+
+
 def test_preset_attention_shapes():
     llama = load_config("llama-3.1-8b")
     assert (llama.num_attention_heads, llama.num_key_value_heads, llama.head_dim) == (32, 8, 128)

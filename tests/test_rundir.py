@@ -63,8 +63,9 @@ def test_a_full_disk_mid_sweep_is_one_line_and_keeps_what_was_written(tmp_path, 
 
 
 def test_two_processes_at_once_write_separate_run_directories(tmp_path):
-    args = [sys.executable, "-m", "optiq", "bench", "--model", "tiny-llama", "--concurrency", "1,2", "--prompt-len", "8",
-            "--new-tokens", "2", "--max-len", "16", "--repeats", "1", "--json", "--runs-dir", str(tmp_path / "runs")]
+    args = [sys.executable, "-m", "optiq", "bench", "--model", "tiny-llama", "--concurrency", "1,2",
+            "--prompt-len", "8", "--new-tokens", "2", "--max-len", "16", "--repeats", "1", "--json",
+            "--runs-dir", str(tmp_path / "runs")]
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [proc.communicate(timeout=300) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], [err for _, err in outputs]
