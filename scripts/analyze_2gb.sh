@@ -8,5 +8,5 @@ ls -la /tmp/big2g.json
 gzip -1 -k -f /tmp/big2g.json && ls -la /tmp/big2g.json.gz
 /usr/bin/time -f "optiq analyze 2 GB json.gz: %e s wall, %M KB max RSS" optiq analyze /tmp/big2g.json.gz --json \
     > /tmp/big2g-gz.out
-python3 -c "import json; a, b = (json.load(open(p)) for p in ('/tmp/big2g.out', '/tmp/big2g-gz.out')); \
-print('same result from .json and .json.gz:', a['results'] == b['results'])"
+python3 -c "import json; a, b = (json.load(open(p))['results'][0] for p in ('/tmp/big2g.out', '/tmp/big2g-gz.out')); \
+print('same attribution from .json and .json.gz:', all(a[k] == b[k] for k in a if k not in ('scope', 'files')))"
