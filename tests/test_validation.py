@@ -85,3 +85,14 @@ def test_graph_mode_gate_checks_the_captured_patched_model(preset):
     report = validate(patches, concurrencies=(1, 16), steps=8, prompt_len=5, mode="graph")
     assert report.passed, report
     assert not report.rolled_back and all(e.top1 >= e.min_top1 for e in report.end_to_end)
+
+
+def test_norm_recipes_pass_on_the_mla_moe_preset():
+    """DeepSeek-V2 (MLA attention, shared + routed experts, a dense first layer) takes the norm recipes unchanged."""
+    model = load_model("tiny-deepseek-v2", torch.float32, torch.device("cpu"))
+    catalog = load_catalog()
+    patches = apply(model, [catalog["rmsnorm"], catalog["add_rmsnorm"]])
+    assert list(patches.applied) == ["rmsnorm", "add_rmsnorm"] and not patches.not_applicable
+    report = validate(patches, **FAST)
+    assert report.passed and all(r.calls > 0 for r in report.recipes.values()), report
+    unpatch(model)
