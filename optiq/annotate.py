@@ -3,8 +3,9 @@
 Roles are what an engineer fuses by: ``embed``, ``norm``, ``post_attn_norm``, ``qkv_proj``, ``rope``, ``kv_write``,
 ``attention``, ``repeat_kv`` (GQA's copy of the KV heads, inside attention), ``kv_expand`` (MLA's latent to keys and
 values), ``o_proj``, ``mlp``, ``moe_router``, ``experts``, ``lm_head``, ``sampling``. A range is named
-``optiq/layer/<i>`` or ``optiq/role/<role>``; decode steps are ``optiq/step/<n>``. Annotation installs wrappers on the model's instances for
-the duration of a ``with annotated(...)`` block and removes them after, so an unannotated model pays nothing.
+``optiq/layer/<i>`` or ``optiq/role/<role>``; decode steps are ``optiq/step/<n>``. Annotation installs wrappers on the
+model's instances for the duration of a ``with annotated(...)`` block and removes them after, so an unannotated model
+pays nothing.
 """
 
 from __future__ import annotations
