@@ -1,4 +1,5 @@
-"""Ctrl-C in the middle of a real `optiq bench` sweep keeps every finished point and marks the run incomplete."""
+"""Ctrl-C in the middle of a real `optiq bench` sweep or `optiq profile` keeps what was measured and marks the run
+incomplete."""
 
 import json
 import signal
@@ -33,3 +34,26 @@ def test_sigint_mid_sweep_keeps_finished_points(tmp_path):
     assert [p.name for p in results.parent.iterdir() if p.name.startswith(".")] == []  # no half-written temp files
     csv_lines = (results.parent / "results.csv").read_text().strip().splitlines()
     assert len(csv_lines) == len(rows) + 1
+
+
+def test_sigint_mid_profile_keeps_finished_concurrencies(tmp_path):
+    runs = tmp_path / "runs"
+    args = [sys.executable, "-m", "optiq", "profile", "--model", "tiny-llama", "--concurrency",
+            ",".join(str(c) for c in range(1, 41)), "--prompt-len", "8", "--max-len", "32", "--steps", "2",
+            "--runs-dir", str(runs)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not list(runs.glob("profile-*/attribution_C2.json")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    (run,) = runs.iterdir()
+    meta = json.loads((run / "run.json").read_text())
+    done = sorted(int(p.stem.split("_C")[1]) for p in run.glob("attribution_C*.json"))
+    # the interrupt may land between a concurrency's files and its count: run.json never claims more than is on disk
+    assert meta["status"] == "incomplete" and len(done) - 1 <= meta["concurrencies_done"] <= len(done)
+    assert 2 <= len(done) < 40
+    assert done == list(range(1, len(done) + 1))
+    assert all(json.loads((run / f"attribution_C{c}.json").read_text())["concurrency"] == c for c in done)

@@ -75,3 +75,12 @@ def test_checkpoint_directory_without_config(tmp_path):
 def test_unknown_dtype():
     with pytest.raises(OptiqError, match="unknown dtype"):
         resolve_dtype("fp8", torch.device("cpu"))
+
+
+def test_a_dtype_the_gpu_cannot_run_is_a_clear_error(monkeypatch):
+    """A pre-Ampere GPU has no bf16: said in one line with what to use instead (no GPU needed to check the rule)."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
+    with pytest.raises(OptiqError, match="Tesla V100-SXM2-32GB cannot run bf16; use --dtype fp16 or fp32"):
+        resolve_dtype("bf16", torch.device("cuda"))
+    assert resolve_dtype("fp16", torch.device("cuda")) == torch.float16
