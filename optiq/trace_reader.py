@@ -81,6 +81,7 @@ class _Scan:
         self.launches = _Columns(name="l", ts="d", pid="l", tid="l", corr="q")
         self.marks: list[tuple[str, float, float, int, int]] = []  # name, ts, end, pid, tid
         self.events = 0
+        self.no_duration = 0  # GPU events without a duration or with a negative one: left out
 
 
 def _open(path: Path):
@@ -122,7 +123,7 @@ def _scan(stream) -> _Scan:
                 code = names.setdefault(name, len(names))
                 code = op_codes[name] = -1 - code if _is_marker(name) else code
             pid, tid = _thread(ev, threads)
-            ts, dur = ev["ts"], ev.get("dur", 0.0)
+            ts, dur = ev["ts"], max(ev.get("dur", 0.0), 0.0)
             if code < 0:  # old traces record record_function ranges as cpu_op
                 marks.append((name, ts, ts + dur, pid, tid))
                 code = -1 - code
@@ -133,6 +134,10 @@ def _scan(stream) -> _Scan:
             o_tid(tid)
             o_ext(ev["args"].get("External id", -1) if "args" in ev else -1)
         elif cat in GPU_KINDS:
+            dur = ev.get("dur")
+            if dur is None or dur < 0:  # a server that died mid-write, or a clock that stepped back: no usable time
+                scan.no_duration += 1
+                continue
             name = ev["name"]
             code = names.get(name)
             if code is None:
@@ -142,7 +147,7 @@ def _scan(stream) -> _Scan:
             g_name(code)
             g_kind(GPU_KINDS[cat])
             g_ts(ev["ts"])
-            g_dur(ev.get("dur", 0.0))
+            g_dur(dur)
             g_dev(args.get("device", -1))
             g_stream(args.get("stream", -1))
             g_corr(args.get("correlation", -1))
@@ -453,6 +458,8 @@ def read_trace(path: str | Path, rank: int | None = None) -> Trace:
         raise OptiqError(f"{path}: {what}; not a Kineto/torch.profiler trace")
     names = list(scan.names)
     steps, step_source, notes = _steps(scan)
+    if scan.no_duration:
+        notes.append(f"{scan.no_duration} GPU event(s) without a duration or with a negative one left out")
     cpu_only = not len(scan.gpu.ts)
     if cpu_only:
         if not len(scan.ops.ts):

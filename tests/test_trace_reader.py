@@ -262,3 +262,12 @@ def test_ranks_with_clock_offsets_attribute_as_if_aligned(tmp_path):
         assert offset.summary[key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key
     single = attribute([read_trace(DATA / "gpu_eager.json.gz")], "class")
     assert offset.summary["gpu_ms_per_step"] == pytest.approx(2 * single.summary["gpu_ms_per_step"])  # both ranks
+
+
+def test_gpu_events_without_a_usable_duration_are_left_out_and_said(tmp_path):
+    negative, missing = launch_pair(20, 2), launch_pair(40, 3)
+    negative[1]["dur"] = -4.0
+    del missing[1]["dur"]
+    trace = read_trace(write_events(tmp_path / "t.json", launch_pair(0, 1) + negative + missing))
+    assert list(trace.kernels["dur"]) == [3.25]
+    assert "2 GPU event(s) without a duration or with a negative one left out" in trace.notes
