@@ -218,19 +218,21 @@ def gate_table(report: dict) -> Table:
                   else "not applicable" if recipe in not_applicable else "not applied")
         reason = g.get("reason") or not_applicable.get(recipe, "")
         rows.append([recipe, status, g.get("tolerance", ""), _fmt(g.get("calls"), "d"), _fmt(g.get("err_fused"), ".2e"),
-                     _fmt(g.get("err_unfused"), ".2e"), _fmt(g.get("bound"), ".2e"), reason])
+                     _fmt(g.get("err_unfused"), ".2e"), _fmt(g.get("bound"), ".2e"), _fmt(g.get("seconds"), ".1f"),
+                     reason])
     return Table("Validation gate: per recipe", ["recipe", "status", "tolerance", "calls", "err fused",
-                                                 "err unfused", "bound", "reason"], rows,
+                                                 "err unfused", "bound", "s", "reason"], rows,
                  "err = relative error against a float64 run of the unfused path, at the worst call")
 
 
 def end_to_end_table(report: dict) -> Table:
     rows = [[str(e["concurrency"]), str(e["steps"]), "passed" if e["passed"] else "failed", _fmt(e["rel_err"], ".2e"),
              _fmt(e["rel_err_unpatched"], ".2e"), _fmt(e["bound"], ".2e"), _fmt(e["top1"], ".3f"),
-             _fmt(e["top1_unpatched"], ".3f"), _fmt(e["min_top1"], ".3f"), ", ".join(e["recipes"])]
+             _fmt(e["top1_unpatched"], ".3f"), _fmt(e["min_top1"], ".3f"), _fmt(e.get("seconds"), ".1f"),
+             ", ".join(e["recipes"])]
             for e in (report.get("gate") or {}).get("end_to_end") or []]
     return Table("Validation gate: end to end", ["C", "steps", "result", "logits rel err", "unpatched rel err",
-                                                 "bound", "top-1", "unpatched top-1", "min top-1", "recipes"], rows,
+                                                 "bound", "top-1", "unpatched top-1", "min top-1", "s", "recipes"], rows,
                  "teacher-forced greedy decode against a higher-precision reference")
 
 

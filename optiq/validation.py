@@ -22,6 +22,7 @@ A recipe that fails its gate is undone (alone) and reported with the numbers tha
 from __future__ import annotations
 
 import copy
+import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -61,6 +62,7 @@ class RecipeResult:
     err_unfused: float = float("nan")
     bound: float = float("nan")
     site: str = ""
+    seconds: float = 0.0  # running the captured calls through the three paths
 
 
 @dataclass
@@ -75,6 +77,7 @@ class EndToEnd:
     top1_unpatched: float
     min_top1: float
     recipes: tuple[str, ...]
+    seconds: float = 0.0  # the three decodes (reference, unpatched, patched), graph captures included
 
 
 @dataclass
@@ -82,6 +85,7 @@ class Validation:
     recipes: dict[str, RecipeResult] = field(default_factory=dict)
     end_to_end: list[EndToEnd] = field(default_factory=list)
     rolled_back: list[str] = field(default_factory=list)
+    capture_seconds: float = 0.0  # recording the patched sites' inputs during one decode step
 
     @property
     def passed(self) -> bool:
@@ -219,6 +223,13 @@ def _capture(patches: Patches, batch: int, prompt_len: int, seed: int) -> dict[s
 
 
 def _gate(patches: Patches, name: str, sites: list[tuple[Site, list]]) -> RecipeResult:
+    started = time.perf_counter()
+    result = _gate_calls(patches, name, sites)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _gate_calls(patches: Patches, name: str, sites: list[tuple[Site, list]]) -> RecipeResult:
     recipe = patches.applied[name].recipe
     kind, tolerance, dtype = recipe.patch_kind, recipe.tolerance, next(patches.model.parameters()).dtype
     result = RecipeResult(name, tolerance, True, "passed")
@@ -328,6 +339,7 @@ def end_to_end(patches: Patches, names: list[str], concurrencies=(1, 4), steps: 
     results = []
     with torch.inference_mode(), patches.suspended():
         for concurrency in concurrencies:
+            started = time.perf_counter()
             prompt = _prompt(model, concurrency, prompt_len, seed + concurrency).to(next(model.parameters()).device)
             if dtype == torch.float32:
                 want, picks = base, base_picks = _decode(model, prompt, steps, None, [], [], mode)
@@ -342,7 +354,7 @@ def end_to_end(patches: Patches, names: list[str], concurrencies=(1, 4), steps: 
             bound = factor * rel_base + floor
             min_top1 = top1_base - (0.0 if dtype == torch.float32 else E2E_SLACK[loosest])
             results.append(EndToEnd(concurrency, steps, rel <= bound and top1 >= min_top1, rel, rel_base, bound,
-                                    top1, top1_base, min_top1, tuple(names)))
+                                    top1, top1_base, min_top1, tuple(names), time.perf_counter() - started))
     return results
 
 
@@ -351,8 +363,10 @@ def validate(patches: Patches, concurrencies=(1, 4), steps: int = 64, prompt_len
     """Gate every applied recipe, undo those that fail, then check the survivors end to end; a recipe that fails end
     to end on its own is undone too, and if the set still fails only together, all of it is."""
     report = Validation()
+    started = time.perf_counter()
     with torch.inference_mode():
         captured = _capture(patches, max(concurrencies), prompt_len, seed)
+        report.capture_seconds = time.perf_counter() - started
         for name, sites in captured.items():
             report.recipes[name] = _gate(patches, name, sites)
     for name, result in report.recipes.items():

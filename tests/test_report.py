@@ -120,7 +120,7 @@ def test_markdown_has_every_section_and_the_gate_verdicts(tmp_path):
     md = (run / "report.md").read_text()
     for text in ("llama-3.1-8b · bfloat16 · graph · NVIDIA H200", "torch 2.13.0+cu130", "prompt 512 tokens",
                  "| 64 | 1,233.2 | 4,000.0 | 3.24× | 2,612.9 | 1.53× | 13,637.3 | 29.3 |",
-                 "| rope | rolled back | exact_order | 32 | 9.10e-02 | 2.00e-03 | 6.20e-03 | err 9.1e-02 > bound",
+                 "| rope | rolled back | exact_order | 32 | 9.10e-02 | 2.00e-03 | 6.20e-03 | — | err 9.1e-02 > bound",
                  "| gate_up_swiglu | not applicable |", "no fused gate_up weight",
                  "| predicted: decode_attention (ms/step) | 2.100 | — | 45.867 |",
                  "| measured: kernels removed per step (profiled) | 563 | — | 563 |", "not separable",

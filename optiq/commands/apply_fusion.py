@@ -138,6 +138,7 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
             gate = validate(patches, concurrencies=tuple(concurrencies), steps=gate_steps,
                             prompt_len=min(prompt_len, max_len - gate_steps - 1), mode=mode)
         report["timings"]["gate_s"] = time.perf_counter() - started
+        report["timings"]["gate_capture_s"] = gate.capture_seconds
         report["gate"] = {"recipes": {n: asdict(r) for n, r in gate.recipes.items()},
                           "end_to_end": [asdict(e) for e in gate.end_to_end]}
         report["rolled_back"], report["applied"] = gate.rolled_back, list(patches.applied)
