@@ -96,3 +96,17 @@ def test_norm_recipes_pass_on_the_mla_moe_preset():
     report = validate(patches, **FAST)
     assert report.passed and all(r.calls > 0 for r in report.recipes.values()), report
     unpatch(model)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+def test_moe_experts_pass_and_a_wrong_experts_kernel_is_rolled_back(tmp_path, preset):
+    model = load_model(preset, torch.float32, torch.device("cpu"))
+    wrong = user_recipe(tmp_path, "moe_experts", "wrong_experts", fusion="wrong_kernels:experts_first_choice_only")
+    patches = apply(model, [load_catalog()["moe_experts"]])
+    report = validate(patches, **FAST)
+    assert report.passed and report.recipes["moe_experts"].calls > 0, report
+    unpatch(model)
+    patches = apply(model, [wrong])
+    report = validate(patches, **FAST)
+    assert report.rolled_back == ["wrong_experts"] and "error" in report.recipes["wrong_experts"].reason
+    assert all("forward" not in vars(m) for m in model.modules())

@@ -9,6 +9,9 @@ import torch
 CUDA = torch.cuda.is_available()
 SMALL_DEVICE = "cuda" if CUDA else "cpu"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+# torch.library.opcheck's checks that can run here: the interpreter cannot run under fake tensors (torch's wrap_triton
+# launches an interpreted kernel directly), so the fake-tensor and AOT checks run on CUDA only.
+OPCHECKS = {} if CUDA else {"test_utils": ("test_schema", "test_autograd_registration")}
 
 
 def seed_of(request) -> int:
