@@ -6,7 +6,8 @@ CPU cases run the kernels under the Triton interpreter at small, odd shapes; CUD
 import pytest
 import torch
 
-from fusions.moe_experts import benchmark_case, moe_experts, moe_experts_reference, pack_by_expert
+from fusions.moe_experts import (benchmark_case, grouped_mm_experts, moe_experts, moe_experts_reference,
+                                 pack_by_expert)
 from kernel_testing import OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -90,9 +91,12 @@ def test_cuda_graph_and_compile_cuda():
                                     lambda: index.copy_(index.roll(1, dims=0)))
 
 
-def test_benchmark_case_runs():
-    case = benchmark_case(2, torch.float32, SMALL_DEVICE, experts=8, top_k=2, hidden=32, intermediate=16)
+def test_benchmark_case_and_grouped_mm_peer_agree():
+    """The benchmark's peer (transformers' grouped_mm path, re-done without host syncs) computes the reference too."""
+    case = benchmark_case(3, torch.float32, SMALL_DEVICE, experts=8, top_k=2, hidden=32, intermediate=16)
     torch.testing.assert_close(case["fused"](), case["eager"](), rtol=1e-5, atol=1e-5)
+    inputs = make_inputs(17, 5, 6, 2, 32, 16, torch.float32, SMALL_DEVICE)
+    torch.testing.assert_close(grouped_mm_experts(*inputs), moe_experts_reference(*inputs), rtol=1e-5, atol=1e-5)
 
 
 def test_custom_op_registration():
