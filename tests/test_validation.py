@@ -87,26 +87,28 @@ def test_graph_mode_gate_checks_the_captured_patched_model(preset):
     assert not report.rolled_back and all(e.top1 >= e.min_top1 for e in report.end_to_end)
 
 
-def test_norm_recipes_pass_on_the_mla_moe_preset():
-    """DeepSeek-V2 (MLA attention, shared + routed experts, a dense first layer) takes the norm recipes unchanged."""
-    model = load_model("tiny-deepseek-v2", torch.float32, torch.device("cpu"))
-    catalog = load_catalog()
-    patches = apply(model, [catalog["rmsnorm"], catalog["add_rmsnorm"]])
-    assert list(patches.applied) == ["rmsnorm", "add_rmsnorm"] and not patches.not_applicable
-    report = validate(patches, **FAST)
-    assert report.passed and all(r.calls > 0 for r in report.recipes.values()), report
-    unpatch(model)
-
-
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
-def test_moe_experts_pass_and_a_wrong_experts_kernel_is_rolled_back(tmp_path, preset):
+@pytest.mark.parametrize("preset, base, fusion", [
+    ("tiny-qwen3-moe", "moe_experts", "wrong_kernels:experts_first_choice_only"),
+    ("tiny-deepseek-v2", "moe_experts", "wrong_kernels:experts_first_choice_only"),
+    ("tiny-deepseek-v2", "mla_decode", "wrong_kernels:mla_drops_last"),
+])
+def test_moe_and_mla_recipes_pass_and_their_wrong_kernels_are_rolled_back(tmp_path, preset, base, fusion):
     model = load_model(preset, torch.float32, torch.device("cpu"))
-    wrong = user_recipe(tmp_path, "moe_experts", "wrong_experts", fusion="wrong_kernels:experts_first_choice_only")
-    patches = apply(model, [load_catalog()["moe_experts"]])
+    patches = apply(model, [load_catalog()[base]])
     report = validate(patches, **FAST)
-    assert report.passed and report.recipes["moe_experts"].calls > 0, report
+    assert report.passed and report.recipes[base].calls > 0, report
     unpatch(model)
-    patches = apply(model, [wrong])
+    patches = apply(model, [user_recipe(tmp_path, base, "wrong", fusion=fusion)])
     report = validate(patches, **FAST)
-    assert report.rolled_back == ["wrong_experts"] and "error" in report.recipes["wrong_experts"].reason
+    assert report.rolled_back == ["wrong"] and "error" in report.recipes["wrong"].reason, report
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_the_whole_catalog_passes_on_the_mla_moe_preset():
+    """Every recipe that applies to DeepSeek-V2 at once: norms, MLA decode, experts, sampling."""
+    model = load_model("tiny-deepseek-v2", torch.float32, torch.device("cpu"))
+    patches = apply(model, [r for r in load_catalog().values() if r.applies_to("deepseek_v2")])
+    assert set(patches.applied) == {"rmsnorm", "add_rmsnorm", "mla_decode", "moe_experts", "greedy_sample"}
+    report = validate(patches, **FAST)
+    assert report.passed and not report.rolled_back, report
+    unpatch(model)

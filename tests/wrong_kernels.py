@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from fusions.decode_attention import decode_attention_reference
+from fusions.mla_decode import mla_decode_reference
 from fusions.moe_experts import moe_experts_reference
 from fusions.rmsnorm import rmsnorm_reference
 from fusions.rope import rope_reference
@@ -57,6 +58,11 @@ def attention_drops_last(q, k_cache, v_cache, lengths, scale):
 def experts_first_choice_only(x, top_k_index, top_k_weights, w_gate_up, w_down):
     """MoE experts that keep each token's first expert and drop the others (a top-k loop bound off by k - 1)."""
     return moe_experts_reference(x, top_k_index[:, :1], top_k_weights[:, :1], w_gate_up, w_down)
+
+
+def mla_drops_last(q_lat, q_pe, c_cache, pe_cache, lengths, scale):
+    """MLA decode that stops one position short: the new token's own latent is never attended to."""
+    return mla_decode_reference(q_lat, q_pe, c_cache, pe_cache, lengths - 1, scale)
 
 
 def raising_norm(x, weight, eps, offset=False, out=None):
