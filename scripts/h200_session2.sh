@@ -5,6 +5,7 @@
 #                  (C=1,16,64, prompt 512, 128 new tokens, cache 1024, 3 repeats)
 #   profile:MODEL  optiq profile --model MODEL --concurrency 64
 #   rope           scripts/rope_rounding.py: which rounding the rope kernel does on the GPU
+#   bench:F[,F]    scripts/bench_fusions.py for those fusions (e.g. bench:moe_experts,mla_decode) into $OUT
 # Every run directory comes back as MODEL-KIND.tgz (eager traces left out when the archive would pass 15 MB).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
@@ -20,6 +21,8 @@ for stage in "$@"; do
     apply:*) python3 -m optiq apply-fusion --model "${stage#apply:}" --recipes auto --compare compile \
                --runs-dir "$OUT/runs/${stage#apply:}-apply" 2>&1 | tee -a $OUT/log.txt ;;
     rope) python3 scripts/rope_rounding.py 2>&1 | tee -a $OUT/log.txt ;;
+    bench:*) timeout 300 python3 scripts/bench_fusions.py "$OUT/fusions.json" ${stage#bench://,/ } 2>&1 \
+               | tee -a $OUT/log.txt ;;
     profile:*) python3 -m optiq profile --model "${stage#profile:}" --concurrency 64 --top 1 \
                  --runs-dir "$OUT/runs/${stage#profile:}-profile" 2>&1 | tee -a $OUT/log.txt ;;
   esac
