@@ -21,8 +21,8 @@ for stage in "$@"; do
     apply:*) python3 -m optiq apply-fusion --model "${stage#apply:}" --recipes auto --compare compile \
                --runs-dir "$OUT/runs/${stage#apply:}-apply" 2>&1 | tee -a $OUT/log.txt ;;
     rope) python3 scripts/rope_rounding.py 2>&1 | tee -a $OUT/log.txt ;;
-    bench:*) timeout 300 python3 scripts/bench_fusions.py "$OUT/fusions.json" ${stage#bench://,/ } 2>&1 \
-               | tee -a $OUT/log.txt ;;
+    bench:*) names=${stage#bench:}
+             timeout 300 python3 scripts/bench_fusions.py "$OUT/fusions.json" ${names//,/ } 2>&1 | tee -a $OUT/log.txt ;;
     profile:*) python3 -m optiq profile --model "${stage#profile:}" --concurrency 64 --top 1 \
                  --runs-dir "$OUT/runs/${stage#profile:}-profile" 2>&1 | tee -a $OUT/log.txt ;;
   esac
