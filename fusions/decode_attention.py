@@ -27,6 +27,27 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def online_softmax_step(scores, values, running_max, running_sum, acc, DOT_PRECISION: tl.constexpr):
+    """Fold one block of log2-scaled scores [rows, N] and its values [N, D] into the running max, sum and output.
+
+    Every block must hold at least one valid position, so the new max is finite and no -inf - -inf arises."""
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    correction = tl.exp2(running_max - new_max)
+    p = tl.exp2(scores - new_max[:, None])
+    running_sum = running_sum * correction + tl.sum(p, axis=1)
+    acc = acc * correction[:, None] + tl.dot(p.to(values.dtype), values, input_precision=DOT_PRECISION)
+    return new_max, running_sum, acc
+
+
+@triton.jit
+def split_result(running_max, running_sum, acc):
+    """(normalised output, log2-sum-exp2) of a split; -inf for a split that held no position."""
+    has_positions = running_sum > 0.0
+    safe_sum = tl.where(has_positions, running_sum, 1.0)
+    return acc / safe_sum[:, None], tl.where(has_positions, running_max + tl.log2(safe_sum), float("-inf"))
+
+
+@triton.jit
 def _decode_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, partial_out_ptr, partial_lse_ptr,
     scale_log2e,
@@ -82,18 +103,9 @@ def _decode_attention_split_kernel(
         # the cast keeps scores fp32 when torch.compile hands the scale over as a float64 constant
         scores = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e).to(tl.float32)
         scores = tl.where(pos_mask[None, :], scores, float("-inf"))
-        # every block holds at least one valid position, so new_max is finite and no -inf - -inf arises
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp2(running_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        running_sum = running_sum * correction + tl.sum(p, axis=1)
-        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = online_softmax_step(scores, v, running_max, running_sum, acc, DOT_PRECISION)
 
-    has_positions = running_sum > 0.0
-    safe_sum = tl.where(has_positions, running_sum, 1.0)
-    out = acc / safe_sum[:, None]
-    lse = tl.where(has_positions, running_max + tl.log2(safe_sum), float("-inf"))
+    out, lse = split_result(running_max, running_sum, acc)
     partial_rows = (batch * num_kv_heads * group_size + q_heads) * num_splits + split
     tl.store(partial_lse_ptr + partial_rows, lse, mask=row_mask)
     tl.store(

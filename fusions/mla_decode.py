@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fusions.decode_attention import LOG2E, _decode_attention_combine_kernel, _multiprocessor_count
+from fusions.decode_attention import (LOG2E, _decode_attention_combine_kernel, _multiprocessor_count,
+                                      online_softmax_step, split_result)
 
 
 @triton.jit
@@ -74,20 +75,12 @@ def _mla_split_kernel(
         scores = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
         scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION)
         scores = tl.where(pos_mask[None, :], (scores * scale_log2e).to(tl.float32), float("-inf"))
-        # every block holds at least one valid position, so new_max is finite
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp2(running_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        running_sum = running_sum * correction + tl.sum(p, axis=1)
-        acc = acc * correction[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = online_softmax_step(scores, c, running_max, running_sum, acc, DOT_PRECISION)
 
-    has_positions = running_sum > 0.0
-    safe_sum = tl.where(has_positions, running_sum, 1.0)
-    lse = tl.where(has_positions, running_max + tl.log2(safe_sum), float("-inf"))
+    out, lse = split_result(running_max, running_sum, acc)
     partial_rows = (batch * num_heads + heads) * num_splits + split
     tl.store(partial_lse_ptr + partial_rows, lse, mask=head_mask)
-    tl.store(partial_out_ptr + partial_rows[:, None] * latent + cols_r[None, :], acc / safe_sum[:, None],
+    tl.store(partial_out_ptr + partial_rows[:, None] * latent + cols_r[None, :], out,
              mask=head_mask[:, None] & r_mask[None, :])
 
 
