@@ -98,20 +98,7 @@ def _rope_kernel(
             tl.store(vc + (offs + half) * stride_vcd, v2.to(v_cache_ptr.dtype.element_ty), mask=cache_mask)
 
 
-@torch.library.triton_op("optiq::rope", mutates_args={"q", "k", "k_cache", "v_cache"})
-def _rope_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    v: torch.Tensor | None = None,
-    k_cache: torch.Tensor | None = None,
-    v_cache: torch.Tensor | None = None,
-    positions: torch.Tensor | None = None,
-) -> None:
+def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions) -> None:
     batch, num_q_heads, seq_len, head_dim = q.shape
     num_kv_heads = k.shape[1]
     qk_norm = q_norm_weight is not None
@@ -130,6 +117,23 @@ def _rope_op(
         HEAD_DIM=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm,
         WRITE_CACHE=write_cache, num_warps=1,
     )
+
+
+# Two ops rather than one with optional caches: an op whose mutated arguments may be None fails torch 2.11's
+# version-counter bump outside inference mode (trailing None arguments are dropped before it indexes them).
+@torch.library.triton_op("optiq::rope", mutates_args={"q", "k"})
+def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+             eps: float = 1e-6) -> None:
+    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, None, None, None, None)
+
+
+@torch.library.triton_op("optiq::rope_cached", mutates_args={"q", "k", "k_cache", "v_cache"})
+def _rope_cached_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                    q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+                    eps: float = 1e-6) -> None:
+    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions)
 
 
 def rope(
@@ -156,7 +160,10 @@ def rope(
         raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
     if len({x is None for x in (v, k_cache, v_cache, positions)}) != 1:
         raise ValueError("give all of v, k_cache, v_cache and positions, or none")
-    torch.ops.optiq.rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions)
+    if k_cache is None:
+        torch.ops.optiq.rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
+    else:
+        torch.ops.optiq.rope_cached(q, k, cos, sin, v, k_cache, v_cache, positions, q_norm_weight, k_norm_weight, eps)
     return q, k
 
 

@@ -137,8 +137,10 @@ def test_custom_op_registration():
     device = "cuda" if CUDA else "cpu"
     case = Case(seed=70, batch=2, heads_q=4, heads_kv=2, seq=1, head_dim=16, dtype=torch.float32, device=device,
                 qk_norm=True, positions=[1, 3], cache_len=4)
-    args = (case.q, case.k, case.cos, case.sin, *case.norms, EPS, *case.cache.values())
-    torch.library.opcheck(torch.ops.optiq.rope.default, args, **OPCHECKS)
+    torch.library.opcheck(torch.ops.optiq.rope.default, (case.q, case.k, case.cos, case.sin, *case.norms, EPS),
+                          **OPCHECKS)
+    torch.library.opcheck(torch.ops.optiq.rope_cached.default,
+                          (case.q, case.k, case.cos, case.sin, *case.cache.values(), *case.norms, EPS), **OPCHECKS)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
