@@ -27,6 +27,13 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def split_bounds(lengths_ptr, batch, split, split_len):
+    """[start, end) of the filled positions a split owns; empty (end <= start) past the sequence's length."""
+    start = split * split_len
+    return start, tl.minimum(start + split_len, tl.load(lengths_ptr + batch).to(tl.int32))
+
+
+@triton.jit
 def online_softmax_step(scores, values, running_max, running_sum, acc, DOT_PRECISION: tl.constexpr):
     """Fold one block of log2-scaled scores [rows, N] and its values [N, D] into the running max, sum and output.
 
@@ -68,9 +75,7 @@ def _decode_attention_split_kernel(
     batch = (pid_bh // num_kv_heads).to(tl.int64)
     kv_head = pid_bh % num_kv_heads
 
-    length = tl.load(lengths_ptr + batch).to(tl.int32)
-    start = split * split_len
-    end = tl.minimum(start + split_len, length)
+    start, end = split_bounds(lengths_ptr, batch, split, split_len)
 
     rows = tl.arange(0, BLOCK_G)
     cols = tl.arange(0, BLOCK_D)

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fusions.decode_attention import (LOG2E, _decode_attention_combine_kernel, _multiprocessor_count,
-                                      online_softmax_step, split_result)
+from fusions.decode_attention import (LOG2E, _decode_attention_combine_kernel, _launch_config, online_softmax_step,
+                                      split_bounds, split_result)
 
 
 @triton.jit
@@ -37,9 +37,7 @@ def _mla_split_kernel(
     Writes each head's normalised latent output and log2-sum-exp2 (-inf for a split past the sequence's length)."""
     batch = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    length = tl.load(lengths_ptr + batch).to(tl.int32)
-    start = split * split_len
-    end = tl.minimum(start + split_len, length)
+    start, end = split_bounds(lengths_ptr, batch, split, split_len)
 
     heads = tl.arange(0, BLOCK_H)
     cols_r = tl.arange(0, BLOCK_R)
@@ -84,16 +82,6 @@ def _mla_split_kernel(
              mask=head_mask[:, None] & r_mask[None, :])
 
 
-def _launch_config(batch: int, max_len: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, split_len, num_splits) from shapes alone: a [32, 512] latent tile is 32 KB of bf16; splits are added
-    until there is about one program per SM."""
-    block_n = 32
-    num_blocks = triton.cdiv(max_len, block_n)
-    num_splits = max(1, min(triton.cdiv(_multiprocessor_count(device), batch), num_blocks))
-    blocks_per_split = triton.cdiv(num_blocks, num_splits)
-    return block_n, blocks_per_split * block_n, triton.cdiv(num_blocks, blocks_per_split)
-
-
 @torch.library.triton_op("optiq::mla_decode", mutates_args=())
 def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, c_cache: torch.Tensor, pe_cache: torch.Tensor,
                    lengths: torch.Tensor, scale: float) -> torch.Tensor:
@@ -102,7 +90,8 @@ def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, c_cache: torch.Tenso
     max_len = c_cache.shape[1]
     torch._check(all(t.stride(-1) == 1 for t in (q_lat, q_pe, c_cache, pe_cache)),
                  lambda: "the feature axis must be the innermost, unit-stride axis")
-    block_n, split_len, splits = _launch_config(batch, max_len, q_lat.device)
+    # decode_attention's tiling with the latent as the one KV head: [32, 512] latent tiles, about one program per SM
+    block_n, split_len, splits, _, _ = _launch_config(batch, 1, max_len, latent, q_lat.device, None)
     block_r = triton.next_power_of_2(latent)
     partial_out = torch.empty((batch, num_heads, splits, latent), device=q_lat.device, dtype=torch.float32)
     partial_lse = torch.empty((batch, num_heads, splits), device=q_lat.device, dtype=torch.float32)

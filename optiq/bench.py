@@ -121,12 +121,12 @@ def sweep(model: torch.nn.Module, concurrencies: list[int], workload: Workload, 
                 row = measure_point(model, batch, workload, mode, bandwidth, forward=forward, variant=name,
                                     engine_patches=engine_patches)
             except Exception as exc:  # noqa: BLE001 - out-of-memory and a failing peer are recorded; the rest raises
-                peer_failed = forward is not None  # torch.compile is the peer's code, not ours: its failure is a result
-                if not (is_out_of_memory(exc) or peer_failed):
+                oom, peer_failed = is_out_of_memory(exc), forward is not None  # the peer's failure is a result
+                if not (oom or peer_failed):
                     raise
-                row = {"variant": name, "mode": mode, "concurrency": batch,
-                       "status": "oom" if is_out_of_memory(exc) else "failed",
-                       "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+                first_line = next(iter(str(exc).splitlines()), "")
+                row = {"variant": name, "mode": mode, "concurrency": batch, "status": "oom" if oom else "failed",
+                       "error": f"{type(exc).__name__}: {first_line}"[:300]}
             free_memory()
             rows.append(row)
             if on_row:

@@ -123,7 +123,9 @@ def _scan(stream) -> _Scan:
                 code = names.setdefault(name, len(names))
                 code = op_codes[name] = -1 - code if _is_marker(name) else code
             pid, tid = _thread(ev, threads)
-            ts, dur = ev["ts"], max(ev.get("dur", 0.0), 0.0)
+            ts, dur = ev["ts"], ev.get("dur", 0.0)
+            if dur < 0:  # a clock that stepped back: the op took no time
+                dur = 0.0
             if code < 0:  # old traces record record_function ranges as cpu_op
                 marks.append((name, ts, ts + dur, pid, tid))
                 code = -1 - code

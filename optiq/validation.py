@@ -223,13 +223,6 @@ def _capture(patches: Patches, batch: int, prompt_len: int, seed: int) -> dict[s
 
 
 def _gate(patches: Patches, name: str, sites: list[tuple[Site, list]]) -> RecipeResult:
-    started = time.perf_counter()
-    result = _gate_calls(patches, name, sites)
-    result.seconds = time.perf_counter() - started
-    return result
-
-
-def _gate_calls(patches: Patches, name: str, sites: list[tuple[Site, list]]) -> RecipeResult:
     recipe = patches.applied[name].recipe
     kind, tolerance, dtype = recipe.patch_kind, recipe.tolerance, next(patches.model.parameters()).dtype
     result = RecipeResult(name, tolerance, True, "passed")
@@ -368,7 +361,9 @@ def validate(patches: Patches, concurrencies=(1, 4), steps: int = 64, prompt_len
         captured = _capture(patches, max(concurrencies), prompt_len, seed)
         report.capture_seconds = time.perf_counter() - started
         for name, sites in captured.items():
+            started = time.perf_counter()
             report.recipes[name] = _gate(patches, name, sites)
+            report.recipes[name].seconds = time.perf_counter() - started
     for name, result in report.recipes.items():
         if not result.passed:
             patches.undo(name)
