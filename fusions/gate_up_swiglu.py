@@ -23,6 +23,15 @@ def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor
 
 
 @triton.jit
+def dot_accumulate(a, b, acc, FP32_DOT: tl.constexpr):
+    """acc + a @ b; in IEEE fp32 when FP32_DOT: fp32 models (no tf32 rounding), and the interpreter, whose bf16/fp16
+    dot is wrong."""
+    if FP32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _gate_up_gemm_swiglu_kernel(
     x_ptr, w_ptr, out_ptr,
     M, N, K,
@@ -49,10 +58,7 @@ def _gate_up_gemm_swiglu_kernel(
         k_mask = cols_k + k0 < K
         x = tl.load(x_ptrs, mask=row_mask & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=w_row_mask & k_mask[:, None], other=0.0)
-        if FP32_DOT:  # fp32 tests (no tf32 rounding), and the interpreter, whose bf16/fp16 dot is wrong
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+        acc = dot_accumulate(x, w, acc, FP32_DOT)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 

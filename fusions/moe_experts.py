@@ -25,6 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fusions.gate_up_swiglu import dot_accumulate
+
 
 @triton.jit
 def _expert_tile(pid, tile_end_ptr, expert_start_ptr, counts_ptr, num_experts,
@@ -66,10 +68,7 @@ def _experts_gate_up_kernel(
         k_mask = cols_k + k0 < K
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=w_mask & k_mask[:, None], other=0.0)
-        if FP32_DOT:  # fp32 models (no tf32 rounding), and the interpreter, whose bf16/fp16 dot is wrong
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+        acc = dot_accumulate(x, w, acc, FP32_DOT)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
 
@@ -102,10 +101,7 @@ def _experts_down_kernel(
         k_mask = cols_k + k0 < K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=w_mask & k_mask[:, None], other=0.0)
-        if FP32_DOT:
-            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
+        acc = dot_accumulate(a, w, acc, FP32_DOT)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
 
