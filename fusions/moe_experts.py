@@ -3,16 +3,18 @@
 HF's MoE block hands the experts module the tokens [T, H], each token's k expert ids and routing weights; the weights
 are two 3-D parameters, gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I]. Here:
 
-1. Packing (torch ops on the device, fixed shapes, no host sync): the T*k (token, choice) slots are sorted by expert
-   (a stable sort), counted per expert (a histogram) and turned into tiles by a prefix sum, so each expert's slots are
-   contiguous and padded only to the M tile of its last rows.
+1. Packing (one small kernel, fixed shapes, no host sync): the T*k (token, choice) slots are counted per expert (a
+   histogram), placed by a prefix sum and a per-expert running rank (a stable counting sort) and turned into tiles,
+   so each expert's slots are contiguous and padded only to the M tile of its last rows. (As torch ops this is a
+   radix sort, a scatter-add and three scans: ten launches, a third of the op's time at one token.)
 2. Gate/up GEMM: a program owns BLOCK_M packed slots of one expert and BLOCK_N columns of the intermediate. Its
    weight tile is the expert's BLOCK_N gate rows followed by the matching BLOCK_N up rows, loaded as one
    [2*BLOCK_N, K] tile, so a single tl.dot gives gate and up side by side and SwiGLU pairs them in registers. (The
    weights are read where they lie: interleaving them would copy 39 GB on Qwen3-30B-A3B.)
 3. Down GEMM: the same tiling over the packed activations; the epilogue scales each row by its routing weight and
-   writes it to the slot's own row, so the k choices of a token are summed afterwards in a fixed order
-   (deterministic, no atomics).
+   writes it (fp32) to the slot's own row.
+4. A token's k slot rows are summed in choice order and rounded once (one small kernel: deterministic, no atomics,
+   and the same bits eager, compiled or replayed from a CUDA graph).
 
 The grid is sized from shapes alone (every tile an expert could need: cdiv(T*k, BLOCK_M) + min(E, T*k)); programs
 past the last real tile find no rows and store nothing, so the op captures into a CUDA graph.
@@ -111,22 +113,67 @@ def _experts_down_kernel(
     tl.store(out_ptrs, acc * routing[:, None], mask=row_mask[:, None] & (cols[None, :] < N))
 
 
-def _tile_config(slots: int) -> dict:
+@triton.jit
+def _experts_sum_choices_kernel(per_slot_ptr, out_ptr, top_k, N, stride_s, stride_o, BLOCK_N: tl.constexpr):
+    """out[token, BLOCK_N columns] = sum over its k slots, in choice order, rounded once."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for choice in range(top_k):
+        acc += tl.load(per_slot_ptr + (token * top_k + choice) * stride_s + cols, mask=cols < N, other=0.0)
+    tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+# Programs a grouped GEMM should have in flight to keep an H100/H200's HBM busy (132 SMs x ~4).
+_PROGRAMS_IN_FLIGHT = 512
+
+
+def _tile_config(slots: int, experts: int, n: int) -> dict:
     """Tiles from the shapes (the interpreter cannot autotune): decode gives each expert a few slots, so the M tile
-    is the smallest the tensor cores take and the weight stream is the cost."""
+    is the smallest the tensor cores take and the weight stream is the cost; the N tile shrinks until the experts
+    in use (at least min(E, slots) tiles) give enough programs to stream the weights in parallel."""
     block_m = 16 if slots <= 256 else 32
-    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+    busy = min(experts, slots)
+    block_n = next(b for b in (64, 32, 16) if busy * triton.cdiv(n, b) >= _PROGRAMS_IN_FLIGHT or b == 16)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _experts_pack_kernel(ids_ptr, order_ptr, counts_ptr, start_ptr, tile_end_ptr, S, E,
+                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: per-expert counts, starts and tile ends, and order[start[e] + rank] = slot for each slot, rank
+    being how many earlier slots chose the same expert. Slots are visited CHUNK at a time as one-hot rows."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for s0 in range(0, S, CHUNK):
+        slots = s0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + slots, mask=slots < S, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    starts = tl.cumsum(counts, axis=0) - counts
+    tl.store(counts_ptr + experts, counts, mask=experts < E)
+    tl.store(start_ptr + experts, starts, mask=experts < E)
+    tl.store(tile_end_ptr + experts, tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M, axis=0), mask=experts < E)
+    placed = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for s0 in range(0, S, CHUNK):
+        slots = s0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + slots, mask=slots < S, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.cumsum(onehot, axis=0) - onehot + placed[None, :]
+        position = tl.sum(onehot * (starts[None, :] + rank), axis=1)
+        tl.store(order_ptr + position, slots, mask=slots < S)
+        placed += tl.sum(onehot, axis=0)
 
 
 def pack_by_expert(top_k_index: torch.Tensor, num_experts: int, block_m: int):
-    """(order, counts, expert_start, tile_end): the slots (token * k + choice) sorted by expert, the slots per expert,
-    where each expert's slots start in that order, and the running count of M tiles; all on the device."""
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True).to(torch.int32)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)  # (bincount would sync with the host)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    expert_start = (torch.cumsum(counts, 0) - counts).to(torch.int32)
-    tile_end = torch.cumsum(triton.cdiv(counts, block_m), 0).to(torch.int32)
+    """(order, counts, expert_start, tile_end): the slots (token * k + choice) sorted by expert, stably, the slots per
+    expert, where each expert's slots start in that order, and the running count of M tiles; all on the device."""
+    flat = top_k_index.reshape(-1).contiguous()
+    order = torch.empty(flat.numel(), dtype=torch.int32, device=flat.device)
+    counts, expert_start, tile_end = (torch.empty(num_experts, dtype=torch.int32, device=flat.device) for _ in range(3))
+    torch.library.wrap_triton(_experts_pack_kernel)[(1,)](
+        flat, order, counts, expert_start, tile_end, flat.numel(), num_experts,
+        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=32, num_warps=4,
+    )
     return order, counts, expert_start, tile_end
 
 
@@ -138,27 +185,32 @@ def _moe_experts_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
     num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
     slots = tokens * top_k
-    config = _tile_config(slots)
-    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    gate_up = _tile_config(slots, num_experts, inter)
+    down = _tile_config(slots, num_experts, hidden)
+    block_m = gate_up["BLOCK_M"]
     order, counts, expert_start, tile_end = pack_by_expert(top_k_index, num_experts, block_m)
     max_tiles = triton.cdiv(slots, block_m) + min(num_experts, slots)
     x = x.contiguous()
     act = torch.empty((slots, inter), dtype=x.dtype, device=x.device)
     per_slot = torch.empty((slots, hidden), dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x)
     routing = top_k_weights.reshape(-1).contiguous()
     common = dict(BLOCK_E=triton.next_power_of_2(num_experts),
-                  FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or x.dtype == torch.float32, **config)
-    torch.library.wrap_triton(_experts_gate_up_kernel)[(max_tiles, triton.cdiv(inter, block_n))](
+                  FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or x.dtype == torch.float32)
+    torch.library.wrap_triton(_experts_gate_up_kernel)[(max_tiles, triton.cdiv(inter, gate_up["BLOCK_N"]))](
         x, order, tile_end, expert_start, counts, w_gate_up, act,
         top_k, num_experts, inter, hidden,
-        x.stride(0), *w_gate_up.stride(), act.stride(0), **common,
+        x.stride(0), *w_gate_up.stride(), act.stride(0), **common, **gate_up,
     )
-    torch.library.wrap_triton(_experts_down_kernel)[(max_tiles, triton.cdiv(hidden, block_n))](
+    torch.library.wrap_triton(_experts_down_kernel)[(max_tiles, triton.cdiv(hidden, down["BLOCK_N"]))](
         act, order, routing, tile_end, expert_start, counts, w_down, per_slot,
         num_experts, hidden, inter,
-        act.stride(0), *w_down.stride(), per_slot.stride(0), **common,
+        act.stride(0), *w_down.stride(), per_slot.stride(0), **common, **down,
     )
-    return per_slot.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    torch.library.wrap_triton(_experts_sum_choices_kernel)[(tokens, triton.cdiv(hidden, 256))](
+        per_slot, out, top_k, hidden, per_slot.stride(0), out.stride(0), BLOCK_N=256,
+    )
+    return out
 
 
 def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w_gate_up: torch.Tensor,
@@ -193,12 +245,14 @@ def grouped_mm_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     """The peer: transformers' grouped path (sort the slots by expert, two torch._grouped_mm over the expert
     offsets, SwiGLU and the routing weights in between, sum per token), with no host sync, so it graph-captures."""
     tokens, top_k = top_k_index.shape
-    order, counts, _, _ = pack_by_expert(top_k_index, w_gate_up.shape[0], 1)
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(w_gate_up.shape[0], dtype=torch.int32, device=flat.device)  # (bincount syncs with the host)
+    offsets = torch.cumsum(counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)), 0).to(torch.int32)
     gate, up = torch._grouped_mm(x[order // top_k], w_gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offsets)
     y = y * top_k_weights.reshape(-1)[order, None]
-    return torch.zeros_like(y).index_copy_(0, order.long(), y).view(tokens, top_k, -1).sum(dim=1)
+    return torch.zeros_like(y).index_copy_(0, order, y).view(tokens, top_k, -1).sum(dim=1)
 
 
 def benchmark_case(rows: int, dtype: torch.dtype, device, *, experts: int = 128, top_k: int = 8, hidden: int = 2048,

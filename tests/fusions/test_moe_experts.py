@@ -59,10 +59,22 @@ def test_half_dtypes(request, dtype):
 
 
 def test_packing_is_sorted_counted_and_tiled():
-    index = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    index = torch.tensor([[2, 0], [2, 1], [0, 2]], device=SMALL_DEVICE)
     order, counts, start, tile_end = pack_by_expert(index, 4, block_m=2)
     assert order.tolist() == [1, 4, 3, 0, 2, 5]  # slots of expert 0, then 1, then 2, each in slot order
     assert counts.tolist() == [2, 1, 3, 0] and start.tolist() == [0, 2, 3, 6] and tile_end.tolist() == [1, 2, 4, 4]
+
+
+def test_packing_many_slots_is_a_stable_sort(request):
+    """160 slots over 13 experts: five 32-slot chunks, ranks carried from chunk to chunk."""
+    gen = torch.Generator().manual_seed(seed_of(request))
+    index = torch.randint(0, 13, (40, 4), generator=gen).to(SMALL_DEVICE)
+    order, counts, start, tile_end = pack_by_expert(index, 13, block_m=16)
+    flat = index.reshape(-1)
+    assert torch.equal(order.long(), torch.argsort(flat, stable=True))
+    want_counts = torch.bincount(flat, minlength=13)
+    assert torch.equal(counts.long(), want_counts) and torch.equal(start.long(), want_counts.cumsum(0) - want_counts)
+    assert torch.equal(tile_end.long(), ((want_counts + 15) // 16).cumsum(0))
 
 
 def test_wrong_inputs_fail():
