@@ -124,14 +124,6 @@ def resolve(recipe: Recipe, field_name: str, path: str) -> Callable:
     return target
 
 
-def _claims(recipe: Recipe) -> list[tuple[str, str]]:
-    """What a recipe takes over, in the recipe's order; two recipes may not take over the same thing."""
-    if recipe.patch_kind == "attention_interface":
-        return [("the model's attention implementation", "")]
-    kind = {"module_forward": "module class", "function": "function", "engine": "engine method"}[recipe.patch_kind]
-    return [(kind, target) for target in recipe.patch_target]
-
-
 def _module_sites(model: torch.nn.Module, recipe: Recipe, fusion: Callable, factory: Callable) -> list[Site]:
     sites = []
     for name, module in model.named_modules():
@@ -256,7 +248,7 @@ def apply(model: torch.nn.Module, recipes: Iterable[Recipe], engine=None) -> Pat
             patches.not_applicable[recipe.name] = (f"architecture '{model_type}' is not among "
                                                    f"{', '.join(recipe.architectures)}")
             continue
-        for claim in _claims(recipe):
+        for claim in recipe.claims:
             if claim in claimed:
                 kind, target = claim
                 raise OptiqError(f"recipes '{claimed[claim]}' and '{recipe.name}' both patch the {kind}"

@@ -25,10 +25,6 @@ class Proposal:
     why: str
 
 
-def _patch_key(recipe: Recipe) -> tuple:
-    return recipe.patch_kind, recipe.patch_target
-
-
 def _coverage(recipe: Recipe, kernels: pd.DataFrame, has_roles: bool) -> pd.Series:
     covered = kernels["op_class"].isin(recipe.op_classes)
     if has_roles and recipe.roles:
@@ -41,7 +37,7 @@ def propose(catalog: dict[str, Recipe], kernels: pd.DataFrame, model_type: str |
     per-step weighted kernel table (``optiq.attribution.weighted_kernels``).
 
     Greedy, largest first: each kernel counts for one recipe only, so the proposals' savings add up, and a recipe
-    that patches the place an earlier proposal patches is dropped."""
+    that patches a place an earlier proposal patches is dropped."""
     time_us = kernels["dur"] * kernels["w"]
     total_us = float(time_us.sum())
     has_roles = bool((kernels["role"] != NO_ROLE).any())
@@ -56,9 +52,9 @@ def propose(catalog: dict[str, Recipe], kernels: pd.DataFrame, model_type: str |
         covered, recipe = coverage[name], candidates.pop(name)
         if not covered.any():
             break
-        if _patch_key(recipe) in taken:
+        if taken.intersection(recipe.claims):
             continue
-        taken.add(_patch_key(recipe))
+        taken.update(recipe.claims)
         unclaimed &= ~covered
         places = (kernels[covered].assign(t=time_us[covered]).groupby(["role", "op_class"], observed=True)["t"]
                   .sum().sort_values(ascending=False))

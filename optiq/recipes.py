@@ -47,6 +47,14 @@ class Recipe:
     def applies_to(self, model_type: str) -> bool:
         return "*" in self.architectures or model_type in self.architectures
 
+    @property
+    def claims(self) -> tuple[tuple[str, str], ...]:
+        """What the recipe takes over, in its own order; two recipes that share a claim cannot both be applied."""
+        if self.patch_kind == "attention_interface":
+            return (("the model's attention implementation", ""),)
+        kind = {"module_forward": "module class", "function": "function", "engine": "engine method"}[self.patch_kind]
+        return tuple((kind, target) for target in self.patch_target)
+
 
 def builtin_dir() -> Path:
     """The catalog shipped with optiq: the source tree's ``recipes/``, or its installed copy (package data)."""

@@ -8,7 +8,10 @@ Two checks, both against a higher-precision reference rather than against the mo
    stale accumulator, shows on its second call even at a single site), and both are compared with the original path
    run in float64. Rule: ``err(fused) <= factor * err(unfused) + floor * eps(model dtype)`` at every call, with
    ``err`` the norm of the difference over the norm of the reference, and (factor, floor) from the recipe's tolerance
-   class (GATE). ``exact`` means bitwise equal to the unfused path.
+   class (GATE). ``exact`` means bitwise equal to the unfused path. Integer outputs must be equal; a top-k pair (ids
+   with weights of the same shape, as routers return) is compared as a set per row, since which k were chosen is
+   the function and their order within a row is not (torch.topk leaves it unspecified among equal values, or at
+   all with sorted=False, and MoE experts sum over the k).
 2. End to end: teacher-forced greedy decode over ``steps`` steps at each concurrency with the DecodeEngine, in the
    engine mode that will be measured (so a patch that breaks under CUDA-graph capture fails here). The
    reference is the unpatched model itself for an fp32 model (then every greedy pick must be identical) or the same
@@ -175,11 +178,21 @@ def _reference(original: Callable) -> Callable:
     return original.__func__.__get__(double)
 
 
+def sorted_by_id(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The outputs with each row of a top-k pair (an integer tensor and the float tensors of its shape) sorted by id."""
+    ids = next((t for t in outputs if not t.is_floating_point() and t.dim() and t.shape[-1] > 1
+                and any(o.is_floating_point() and o.shape == t.shape for o in outputs)), None)
+    if ids is None:
+        return outputs
+    order = ids.argsort(dim=-1)
+    return [t.gather(-1, order) if t.shape == ids.shape else t for t in outputs]
+
+
 def _error(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
     if len(outputs) != len(reference) or any(o.shape != r.shape for o, r in zip(outputs, reference)):
         return float("inf")
     diff = ref = 0.0
-    for out, want in zip(outputs, reference):
+    for out, want in zip(sorted_by_id(outputs), sorted_by_id(reference)):
         if not want.is_floating_point():
             if not torch.equal(out.to(want.dtype), want):
                 return float("inf")

@@ -78,3 +78,32 @@ def test_input_norms_stay_with_rmsnorm_when_add_rmsnorm_takes_the_post_attention
     assert {"rmsnorm", "add_rmsnorm"} <= set(proposals)
     assert "in norm" in proposals["rmsnorm"].where and "in norm" not in proposals["add_rmsnorm"].where
     assert {"norm", "post_attn_norm"} <= set(kernels["role"])
+
+
+def test_the_router_is_proposed_once_although_two_recipes_patch_it(catalog, tmp_path):
+    """DeepSeek-V2's router is patched by moe_router and by precision_flip, which also takes its GEMM: the larger
+    is proposed, the other shares its claim and is dropped, and auto never picks both, whatever each concurrency
+    ranks first."""
+    import torch
+
+    from optiq.commands.apply_fusion import choose_recipes
+    from optiq.models import load_model
+    from optiq.profiling import profile_step
+
+    model = load_model("tiny-deepseek-v2", torch.float32, torch.device("cpu"))
+    kernels = weighted_kernels([profile_step(model, 2, 8, 32, "eager", tmp_path, 2)])
+    names = [p.recipe for p in propose(catalog, kernels, "deepseek_v2")]
+    assert "precision_flip" in names and "moe_router" not in names
+    both = {1: [_named("moe_router", 5.0)], 64: [_named("precision_flip", 9.0)]}
+    assert choose_recipes("auto", catalog, both, min_share=1.0) == ["precision_flip"]
+
+
+def test_moe_router_takes_the_routing_of_the_h200_moe_trace(catalog):
+    proposals = {p.recipe: p for p in propose(catalog, _kernels("qwen3-30b-a3b_eager_C1.json.gz"), "qwen3_moe")}
+    assert "routing in moe_router" in proposals["moe_router"].where and proposals["moe_router"].kernels_per_step > 48
+
+
+def _named(recipe, pct):
+    from optiq.proposals import Proposal
+
+    return Proposal(recipe, 0.0, pct, 0.0, "", "")

@@ -12,7 +12,7 @@ from optiq.errors import OptiqError
 from optiq.recipes import builtin_dir, load_catalog
 
 BUILTIN = {"decode_attention", "rmsnorm", "add_rmsnorm", "swiglu", "gate_up_swiglu", "qkv_proj", "rope", "greedy_sample",
-           "moe_experts", "mla_decode"}
+           "moe_experts", "mla_decode", "moe_router", "precision_flip"}
 
 
 def test_builtin_catalog_and_fusion_paths_resolve():
@@ -21,7 +21,9 @@ def test_builtin_catalog_and_fusion_paths_resolve():
     for recipe in catalog.values():
         module, attribute = recipe.fusion.split(":")
         assert callable(getattr(importlib.import_module(module), attribute)), recipe.name
-        assert recipe.applies_to({"moe_experts": "qwen3_moe", "mla_decode": "deepseek_v2"}.get(recipe.name, "llama"))
+        home = {"moe_experts": "qwen3_moe", "moe_router": "qwen3_moe", "mla_decode": "deepseek_v2",
+                "precision_flip": "deepseek_v2"}
+        assert recipe.applies_to(home.get(recipe.name, "llama"))
 
 
 def _user_recipe(tmp_path, name="my_norm", **replace):

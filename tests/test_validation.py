@@ -91,6 +91,8 @@ def test_graph_mode_gate_checks_the_captured_patched_model(preset):
     ("tiny-qwen3-moe", "moe_experts", "wrong_kernels:experts_first_choice_only"),
     ("tiny-deepseek-v2", "moe_experts", "wrong_kernels:experts_first_choice_only"),
     ("tiny-deepseek-v2", "mla_decode", "wrong_kernels:mla_drops_last"),
+    ("tiny-qwen3-moe", "moe_router", "wrong_kernels:router_drops_last_expert"),
+    ("tiny-deepseek-v2", "moe_router", "wrong_kernels:router_drops_last_expert"),
 ])
 def test_moe_and_mla_recipes_pass_and_their_wrong_kernels_are_rolled_back(tmp_path, preset, base, fusion):
     model = load_model(preset, torch.float32, torch.device("cpu"))
@@ -105,10 +107,39 @@ def test_moe_and_mla_recipes_pass_and_their_wrong_kernels_are_rolled_back(tmp_pa
 
 
 def test_the_whole_catalog_passes_on_the_mla_moe_preset():
-    """Every recipe that applies to DeepSeek-V2 at once: norms, MLA decode, experts, sampling."""
+    """Every recipe that applies to DeepSeek-V2 at once: norms, MLA decode, router, experts, sampling (the router's
+    lossy rival precision_flip has its own test)."""
     model = load_model("tiny-deepseek-v2", torch.float32, torch.device("cpu"))
-    patches = apply(model, [r for r in load_catalog().values() if r.applies_to("deepseek_v2")])
-    assert set(patches.applied) == {"rmsnorm", "add_rmsnorm", "mla_decode", "moe_experts", "greedy_sample"}
+    patches = apply(model, [r for r in load_catalog().values()
+                            if r.applies_to("deepseek_v2") and r.name != "precision_flip"])
+    assert set(patches.applied) == {"rmsnorm", "add_rmsnorm", "mla_decode", "moe_router", "moe_experts",
+                                    "greedy_sample"}
     report = validate(patches, **FAST)
     assert report.passed and not report.rolled_back, report
     unpatch(model)
+
+
+@pytest.mark.parametrize("dtype, passes", [(torch.float32, False), (torch.bfloat16, True)])
+def test_precision_flip_is_lossy_on_fp32_weights_and_passes_on_bf16_ones(dtype, passes):
+    """The router's fp32 GEMM from bf16 operands: on an fp32 model that rounds the weights and hidden states, a
+    different function the gate rolls back; on a bf16 model the operands are bf16 already and only the summation
+    order changes, so it passes."""
+    model = load_model("tiny-deepseek-v2", dtype, torch.device("cpu"))
+    patches = apply(model, [load_catalog()["precision_flip"]])
+    report = validate(patches, **FAST)
+    assert report.recipes["precision_flip"].calls > 0
+    assert report.passed == passes and (report.rolled_back == [] if passes else ["precision_flip"]), report
+    unpatch(model)
+
+
+def test_top_k_pairs_compare_as_sets_per_row():
+    """A router's (weights, ids) in another order within a row is the same routing; another expert is not, and a
+    lone integer output (a sampled token) still compares position by position."""
+    from optiq.validation import _error
+
+    weights = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]])
+    ids = torch.tensor([[4, 1, 7], [0, 2, 5]])
+    swapped = [0, 2, 1]
+    assert _error([weights[:, swapped], ids[:, swapped]], [weights, ids]) == 0.0
+    assert _error([weights, torch.tensor([[4, 1, 6], [0, 2, 5]])], [weights, ids]) == float("inf")
+    assert _error([ids[:, swapped]], [ids]) == float("inf")

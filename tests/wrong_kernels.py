@@ -9,6 +9,7 @@ import torch
 from fusions.decode_attention import decode_attention_reference
 from fusions.mla_decode import mla_decode_reference
 from fusions.moe_experts import moe_experts_reference
+from fusions.moe_router import route_reference
 from fusions.rmsnorm import rmsnorm_reference
 from fusions.rope import rope_reference
 
@@ -58,6 +59,11 @@ def attention_drops_last(q, k_cache, v_cache, lengths, scale):
 def experts_first_choice_only(x, top_k_index, top_k_weights, w_gate_up, w_down):
     """MoE experts that keep each token's first expert and drop the others (a top-k loop bound off by k - 1)."""
     return moe_experts_reference(x, top_k_index[:, :1], top_k_weights[:, :1], w_gate_up, w_down)
+
+
+def router_drops_last_expert(logits, top_k, renormalize, scale, out_dtype):
+    """A router whose expert loop stops one short: the last expert is never chosen."""
+    return route_reference(logits[:, :-1], top_k, renormalize, scale, out_dtype)
 
 
 def mla_drops_last(q_lat, q_pe, c_cache, pe_cache, lengths, scale):

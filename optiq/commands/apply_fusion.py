@@ -16,8 +16,9 @@ PROFILED_STEPS = 2
 
 
 def choose_recipes(requested: str, catalog: dict, proposals: dict[int, list], min_share: float) -> list[str]:
-    """``auto``: every proposal covering at least ``min_share`` % of the step at some concurrency, largest first;
-    otherwise the named recipes, which must exist."""
+    """``auto``: every proposal covering at least ``min_share`` % of the step at some concurrency, largest first, but
+    none that patches what a larger one patches (concurrencies may rank rivals differently); otherwise the named
+    recipes, which must exist."""
     if requested != "auto":
         names = [n.strip() for n in requested.split(",") if n.strip()]
         unknown = [n for n in names if n not in catalog]
@@ -28,7 +29,12 @@ def choose_recipes(requested: str, catalog: dict, proposals: dict[int, list], mi
     for found in proposals.values():
         for p in found:
             best[p.recipe] = max(best.get(p.recipe, 0.0), p.covered_pct)
-    return [name for name, share in sorted(best.items(), key=lambda item: -item[1]) if share >= min_share]
+    chosen, taken = [], set()
+    for name, share in sorted(best.items(), key=lambda item: -item[1]):
+        if share >= min_share and not taken.intersection(catalog[name].claims):
+            chosen.append(name)
+            taken.update(catalog[name].claims)
+    return chosen
 
 
 @click.command(name="apply-fusion")

@@ -1,0 +1,206 @@
+"""MoE routing in one kernel: softmax over the experts, top-k, optional renormalisation and scaling, one cast.
+
+HF's top-k routers spend 4-6 kernels per layer on this (softmax, topk, sum and divide or multiply, cast): at decode,
+launches rather than bytes. Two entry points, one kernel:
+
+- ``route(logits, ...)`` takes the logits as the model computed them (Qwen3-MoE's bf16 F.linear). Equal logits give
+  equal probabilities here as in torch, and among equal probabilities the lower expert index is taken first, the
+  rule torch.topk follows on CUDA (the values above the k-th, then those equal to it, each in index order): the chosen
+  experts are the model's own, ties included.
+- ``route_from_hidden(hidden, weight, ...)`` first computes the logits with bf16 tensor-core dots and fp32
+  accumulation, split over the hidden dimension (a kernel of its own; the routing kernel adds the splits in a fixed
+  order): the precision flip for routers that HF runs in fp32 (DeepSeek-V2 casts both operands to fp32 and runs a
+  SIMT GEMM). bf16 operands multiply exactly in fp32, so with bf16 weights only the summation order changes; fp32
+  weights are rounded to bf16 once, by the caller.
+
+Weights come out [T, k] in descending order (lower index first among equal weights), expert ids [T, k] int64.
+A routing program takes BLOCK_T tokens over all experts (E <= 1024), so the top-k needs no second pass.
+"""
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fusions.gate_up_swiglu import dot_accumulate
+
+BLOCK_T = 16  # tokens per program: the smallest M tile of tl.dot
+BLOCK_K = 64
+SPLIT_K = 128  # hidden columns per program of the logits GEMM: 16 programs per 64 experts at DeepSeek-V2's 2048
+
+
+@triton.jit
+def _moe_router_gemm_kernel(
+    h_ptr, w_ptr, partial_ptr, T, E, K, stride_h, stride_w,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """partial[split, BLOCK_T tokens, BLOCK_E experts] = h @ w.T over the split's SPLIT_K columns (fp32). The logits
+    GEMM is split over K so that its few hundred KB of weights stream through many SMs instead of one."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
+    experts = tl.program_id(2) * BLOCK_E + tl.arange(0, BLOCK_E)
+    cols_k = split * SPLIT_K + tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_h + cols_k[None, :]
+    w_ptrs = w_ptr + experts[None, :].to(tl.int64) * stride_w + cols_k[:, None]
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for k0 in range(0, SPLIT_K, BLOCK_K):
+        k_mask = cols_k + k0 < K
+        h = tl.load(h_ptrs, mask=(rows[:, None] < T) & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=(experts[None, :] < E) & k_mask[:, None], other=0.0)
+        acc = dot_accumulate(h, w, acc, FP32_DOT)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    tl.store(partial_ptr + (split * T + rows[:, None]).to(tl.int64) * E + experts[None, :], acc,
+             mask=(rows[:, None] < T) & (experts[None, :] < E))
+
+
+@triton.jit
+def _moe_routing_kernel(
+    src_ptr, logits_ptr, weights_ptr, index_ptr, T, E, splits, scale, stride_s,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, FROM_SPLITS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """weights, index [BLOCK_T, TOP_K] of BLOCK_T tokens; src is the logits [T, E], or (FROM_SPLITS) the router
+    GEMM's partial sums [splits, T, E], added in split order and stored as the logits (fp32)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.arange(0, BLOCK_E)
+    row_mask = rows < T
+    expert_mask = experts < E
+    mask = row_mask[:, None] & expert_mask[None, :]
+    if FROM_SPLITS:
+        offsets = rows[:, None].to(tl.int64) * E + experts[None, :]
+        logits = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+        for split in range(splits):
+            logits += tl.load(src_ptr + split * T * E + offsets, mask=mask, other=0.0)
+        tl.store(logits_ptr + offsets, logits, mask=mask)
+    else:
+        logits = tl.load(src_ptr + rows[:, None].to(tl.int64) * stride_s + experts[None, :], mask=mask,
+                         other=0.0).to(tl.float32)
+
+    logits = tl.where(expert_mask[None, :], logits, float("-inf"))
+    numerators = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = numerators / tl.sum(numerators, axis=1)[:, None]
+    probs = tl.where(expert_mask[None, :], probs, -1.0)  # below every probability: never chosen
+
+    slots = tl.arange(0, BLOCK_S)
+    top = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
+    top_index = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.int32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)
+        pick = tl.min(tl.where(probs == best[:, None], experts[None, :], BLOCK_E), axis=1)
+        top = tl.where(slots[None, :] == slot, best[:, None], top)
+        top_index = tl.where(slots[None, :] == slot, pick[:, None], top_index)
+        probs = tl.where(experts[None, :] == pick[:, None], -1.0, probs)
+    if RENORMALIZE:
+        top = top / tl.sum(top, axis=1)[:, None]  # the unused slots hold 0
+    top = top * scale
+
+    out_mask = row_mask[:, None] & (slots[None, :] < TOP_K)
+    offsets = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
+    tl.store(weights_ptr + offsets, top.to(weights_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(index_ptr + offsets, top_index.to(tl.int64), mask=out_mask)
+
+
+def _route(src: torch.Tensor, logits: torch.Tensor | None, splits: int, top_k: int, renormalize: bool,
+           scale: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, experts = logits.shape if logits is not None else src.shape
+    weights = torch.empty((tokens, top_k), dtype=out_dtype, device=src.device)
+    index = torch.empty((tokens, top_k), dtype=torch.int64, device=src.device)
+    torch.library.wrap_triton(_moe_routing_kernel)[(triton.cdiv(tokens, BLOCK_T),)](
+        src, logits if logits is not None else src, weights, index, tokens, experts, splits, scale, src.stride(0),
+        TOP_K=top_k, RENORMALIZE=renormalize, FROM_SPLITS=logits is not None, BLOCK_T=BLOCK_T,
+        BLOCK_E=triton.next_power_of_2(experts), BLOCK_S=triton.next_power_of_2(top_k), num_warps=4,
+    )
+    return weights, index
+
+
+@torch.library.triton_op("optiq::moe_route", mutates_args=())
+def _moe_route_op(logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
+                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _route(logits.contiguous(), None, 0, top_k, renormalize, scale, out_dtype)
+
+
+@torch.library.triton_op("optiq::moe_route_gemm", mutates_args=())
+def _moe_route_gemm_op(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, scale: float,
+                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    (tokens, hidden_size), experts = hidden.shape, weight.shape[0]
+    splits = triton.cdiv(hidden_size, SPLIT_K)
+    block_e = min(64, triton.next_power_of_2(experts))
+    partial = torch.empty((splits, tokens, experts), dtype=torch.float32, device=hidden.device)
+    torch.library.wrap_triton(_moe_router_gemm_kernel)[(triton.cdiv(tokens, BLOCK_T), splits,
+                                                        triton.cdiv(experts, block_e))](
+        hidden, weight, partial, tokens, experts, hidden_size, hidden.stride(0), weight.stride(0),
+        BLOCK_T=BLOCK_T, BLOCK_E=block_e, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
+        FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or hidden.dtype == torch.float32, num_warps=4,
+    )
+    logits = torch.empty((tokens, experts), dtype=torch.float32, device=hidden.device)
+    weights, index = _route(partial, logits, splits, top_k, renormalize, scale, out_dtype)
+    return logits, weights, index
+
+
+def _check_top_k(experts: int, top_k: int) -> None:
+    if not 0 < top_k <= experts or experts > 1024:
+        raise ValueError(f"top-{top_k} of {experts} experts: need 0 < k <= experts <= 1024")
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool = False, scale: float = 1.0,
+          out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k] in ``out_dtype`` (default: the logits'), expert ids [T, k] int64): the top-k
+    of softmax(logits) in fp32, divided by their sum if ``renormalize``, times ``scale``."""
+    _check_top_k(logits.shape[-1], top_k)
+    return torch.ops.optiq.moe_route(logits, top_k, renormalize, scale, out_dtype or logits.dtype)
+
+
+def route_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool = False,
+                      scale: float = 1.0, out_dtype: torch.dtype = torch.float32
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [T, H], weight [E, H] (same dtype) -> (logits [T, E] fp32, weights [T, k], expert ids [T, k]): as
+    ``route`` on hidden @ weight.T computed with fp32 accumulation."""
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] or hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden {tuple(hidden.shape)} {hidden.dtype} and weight {tuple(weight.shape)} "
+                         f"{weight.dtype} do not fit: need [T, H] and [E, H] of one dtype")
+    _check_top_k(weight.shape[0], top_k)
+    return torch.ops.optiq.moe_route_gemm(hidden, weight, top_k, renormalize, scale, out_dtype)
+
+
+def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool = False, scale: float = 1.0,
+                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What HF's routers do, in torch ops (the benchmark's eager path and the tests' reference)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, index = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return (top * scale).to(out_dtype or logits.dtype), index
+
+
+def benchmark_case(rows: int, dtype: torch.dtype, device) -> dict:
+    """Two cases at ``rows`` decode tokens: Qwen3-30B-A3B's router from its bf16 logits (128 experts, top 8,
+    renormalised) and DeepSeek-V2-Lite's from the hidden states (64 experts, top 6), whose eager path is HF's fp32
+    GEMM on cast operands."""
+    gen = torch.Generator(device=device).manual_seed(rows)
+    logits = torch.randn(rows, 128, generator=gen, device=device).to(dtype)
+    hidden = torch.randn(rows, 2048, generator=gen, device=device).to(dtype)
+    weight = (torch.randn(64, 2048, generator=gen, device=device) / 2048**0.5).to(dtype)
+
+    def hf_fp32_router():
+        logits32 = F.linear(hidden.float(), weight.float())
+        return (logits32, *route_reference(logits32, 6, out_dtype=torch.float32))
+
+    return {
+        "moe_router": {
+            "fused": lambda: route(logits, 8, renormalize=True),
+            "eager": lambda: route_reference(logits, 8, renormalize=True),
+            "bytes": logits.numel() * dtype.itemsize + rows * 8 * (dtype.itemsize + 8),
+            "flops": 0,
+        },
+        "precision_flip": {
+            "fused": lambda: route_from_hidden(hidden, weight, 6),
+            "eager": hf_fp32_router,
+            "bytes": (hidden.numel() + weight.numel()) * dtype.itemsize + rows * (64 * 4 + 6 * 12),
+            "flops": 2 * rows * 64 * 2048,
+        },
+    }
