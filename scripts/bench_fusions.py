@@ -15,6 +15,7 @@ import triton
 
 import fusions
 from optiq.roofline import copy_bandwidth
+from optiq.validation import sorted_by_id
 
 ROWS = (1, 16, 64)
 
@@ -24,13 +25,38 @@ def _flat(result):
 
 
 def _rel_err(fused, eager) -> float:
+    """Largest relative difference over the outputs; top-k pairs compared as sets per row (their order within a row
+    is unspecified among equal values)."""
     errors = [((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-              for a, b in zip(_flat(fused), _flat(eager))]
+              for a, b in zip(sorted_by_id(_flat(fused)), sorted_by_id(_flat(eager)))]
     return max(errors) if errors else float("nan")
 
 
 def _median_ms(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+
+def _measure(name: str, rows: int, case, bandwidth: float) -> dict:
+    """One benchmark case (or the exception that building it raised) timed: fused, eager, compiled eager."""
+    row = {"fusion": name, "rows": rows}
+    try:
+        if isinstance(case, Exception):
+            raise case
+        row["rel_err_vs_eager"] = _rel_err(case["fused"](), case["eager"]())
+        compiled = torch.compile(case["eager"])
+        compiled()
+        row.update(fused_ms=_median_ms(case["fused"]), eager_ms=_median_ms(case["eager"]),
+                   compile_ms=_median_ms(compiled), bytes=case["bytes"], flops=case["flops"])
+        row["roof_fraction"] = case["bytes"] / (row["fused_ms"] * 1e-3) / bandwidth
+        print(f"{name:18} {rows:4d} {row['fused_ms'] * 1e3:9.1f} {row['eager_ms'] * 1e3:9.1f} "
+              f"{row['compile_ms'] * 1e3:10.1f} {row['eager_ms'] / row['fused_ms']:8.2f} "
+              f"{row['compile_ms'] / row['fused_ms']:9.2f} {100 * row['roof_fraction']:7.1f} "
+              f"{row['rel_err_vs_eager']:9.2e}", flush=True)
+    except Exception as exc:  # noqa: BLE001 - one broken fusion must not hide the others' numbers
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"{name:18} {rows:4d} FAILED {row['error'][:300]}", flush=True)
+        traceback.print_exc()
+    return row
 
 
 def main(out_path: str, *names: str) -> None:
@@ -45,24 +71,12 @@ def main(out_path: str, *names: str) -> None:
         if not hasattr(module, "benchmark_case"):
             continue
         for rows in ROWS:
-            row = {"fusion": name, "rows": rows}
             try:
-                case = module.benchmark_case(rows, torch.bfloat16, torch.device("cuda"))
-                row["rel_err_vs_eager"] = _rel_err(case["fused"](), case["eager"]())
-                compiled = torch.compile(case["eager"])
-                compiled()
-                row.update(fused_ms=_median_ms(case["fused"]), eager_ms=_median_ms(case["eager"]),
-                           compile_ms=_median_ms(compiled), bytes=case["bytes"], flops=case["flops"])
-                row["roof_fraction"] = case["bytes"] / (row["fused_ms"] * 1e-3) / bandwidth
-                print(f"{name:18} {rows:4d} {row['fused_ms'] * 1e3:9.1f} {row['eager_ms'] * 1e3:9.1f} "
-                      f"{row['compile_ms'] * 1e3:10.1f} {row['eager_ms'] / row['fused_ms']:8.2f} "
-                      f"{row['compile_ms'] / row['fused_ms']:9.2f} {100 * row['roof_fraction']:7.1f} "
-                      f"{row['rel_err_vs_eager']:9.2e}", flush=True)
+                cases = module.benchmark_case(rows, torch.bfloat16, torch.device("cuda"))
             except Exception as exc:  # noqa: BLE001 - one broken fusion must not hide the others' numbers
-                row["error"] = f"{type(exc).__name__}: {exc}"
-                print(f"{name:18} {rows:4d} FAILED {row['error'][:300]}", flush=True)
-                traceback.print_exc()
-            results.append(row)
+                cases = {name: exc}
+            for label, case in ([(name, cases)] if "fused" in cases else cases.items()):
+                results.append(_measure(label, rows, case, bandwidth))
             torch._dynamo.reset()
             json.dump({"bandwidth": bandwidth, "torch": torch.__version__, "triton": triton.__version__,
                        "device": torch.cuda.get_device_name(), "results": results}, open(out_path, "w"), indent=2)

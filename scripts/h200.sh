@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Device calls of session 2 (H200, carry .whl). Usage: scripts/h200_session2.sh STAGE...
+# Device calls on the H200 (carry .whl). Usage: scripts/h200.sh STAGE...
 #   tests          the kernels' GPU tests (preset shapes, CUDA-graph replay, torch.compile) and the graph-mode gate
 #   apply:MODEL    optiq apply-fusion --model MODEL --recipes auto --compare compile on workload W1
 #                  (C=1,16,64, prompt 512, 128 new tokens, cache 1024, 3 repeats)
 #   profile:MODEL  optiq profile --model MODEL --concurrency 64
 #   rope           scripts/rope_rounding.py: which rounding the rope kernel does on the GPU
 #   bench:F[,F]    scripts/bench_fusions.py for those fusions (e.g. bench:moe_experts,mla_decode) into $OUT
+#   moe-tiles      scripts/moe_tiles.py: moe_experts under fixed tile configs against its heuristic
+#   gpu-tests:F[,F]  the GPU tests of those fusions only
 # Every run directory comes back as MODEL-KIND.tgz (eager traces left out when the archive would pass 15 MB).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
@@ -21,6 +23,10 @@ for stage in "$@"; do
     apply:*) python3 -m optiq apply-fusion --model "${stage#apply:}" --recipes auto --compare compile \
                --runs-dir "$OUT/runs/${stage#apply:}-apply" 2>&1 | tee -a $OUT/log.txt ;;
     rope) python3 scripts/rope_rounding.py 2>&1 | tee -a $OUT/log.txt ;;
+    moe-tiles) timeout 300 python3 scripts/moe_tiles.py "$OUT/moe_tiles.json" 2>&1 | tee -a $OUT/log.txt ;;
+    gpu-tests:*) names=${stage#gpu-tests:}
+                 timeout 300 python3 -m pytest -q -p no:cacheprovider -k "not _cpu" \
+                   $(printf 'tests/fusions/test_%s.py ' ${names//,/ }) 2>&1 | grep -v DEBUG | tee -a $OUT/log.txt ;;
     bench:*) names=${stage#bench:}
              timeout 300 python3 scripts/bench_fusions.py "$OUT/fusions.json" ${names//,/ } 2>&1 | tee -a $OUT/log.txt ;;
     profile:*) python3 -m optiq profile --model "${stage#profile:}" --concurrency 64 --top 1 \
