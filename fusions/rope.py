@@ -49,7 +49,7 @@ def _rotate_head(x_ptr, stride_d, w_ptr, cos1, cos2, sin1, sin2, eps, offs, mask
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, positions_ptr,
-    seq_len, num_q_heads, cache_len, eps,
+    seq_len, num_q_heads, cache_len, eps, stride_pb,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -84,7 +84,7 @@ def _rope_kernel(
         k1, k2 = _rotate_head(k_head, stride_kd, k_norm_ptr, cos1, cos2, sin1, sin2, eps, offs, mask,
                               HEAD_DIM, QK_NORM)
         if WRITE_CACHE:
-            pos = tl.load(positions_ptr + b) + s
+            pos = tl.load(positions_ptr + b * stride_pb) + s
             # Memory safety only: a position past the cache is dropped (checking it would need a host sync).
             cache_mask = mask & (tl.full((HALF_BLOCK,), pos, tl.int64) < cache_len)
             kc = k_cache_ptr + b * stride_kcb + kv_head * stride_kch + pos * stride_kcl
@@ -106,13 +106,13 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
     # Absent optional tensors are replaced by q: the kernel never touches them (the constexpr flags are off).
     q_norm_weight = q_norm_weight.contiguous() if qk_norm else q
     k_norm_weight = k_norm_weight.contiguous() if qk_norm else q
-    v, k_cache, v_cache, positions = (v, k_cache, v_cache, positions.contiguous()) if write_cache else (q, q, q, q)
+    v, k_cache, v_cache, positions = (v, k_cache, v_cache, positions) if write_cache else (q, q, q, q)
     cos = cos.expand(batch, seq_len, head_dim)  # HF may hand one row of cos/sin for the whole batch
     sin = sin.expand(batch, seq_len, head_dim)
     grid = (batch * seq_len, num_q_heads + num_kv_heads)
     torch.library.wrap_triton(_rope_kernel)[grid](
         q, k, v, cos, sin, q_norm_weight, k_norm_weight, k_cache, v_cache, positions,
-        seq_len, num_q_heads, k_cache.shape[2], eps,
+        seq_len, num_q_heads, k_cache.shape[2], eps, positions.stride(0) if write_cache else 0,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm,
         WRITE_CACHE=write_cache, num_warps=1,
@@ -153,8 +153,8 @@ def rope(
 
     cos, sin: [B or 1, S, D] as HF's rotary module makes them. With q_norm_weight and k_norm_weight ([D]), Qwen3's
     per-head RMSNorm with `eps` runs first. With k_cache, v_cache [B, Hkv, L, D], positions [B] (int64, the cache
-    slot of each sequence's first token) and v [B, Hkv, S, D], token s of sequence b also lands in the cache at slot
-    positions[b] + s.
+    slot of each sequence's first token; any stride, so a static cache's one fill counter expanded to [B] serves)
+    and v [B, Hkv, S, D], token s of sequence b also lands in the cache at slot positions[b] + s.
     """
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q_norm_weight and k_norm_weight, or neither")

@@ -1,6 +1,7 @@
 """Name every decoder layer and module role in the profiler's trace (record_function) and in Nsight (NVTX).
 
-Roles are what an engineer fuses by: ``embed``, ``norm``, ``post_attn_norm``, ``qkv_proj``, ``rope``, ``kv_write``,
+Roles are what an engineer fuses by: ``embed``, ``norm``, ``post_attn_norm``, ``qkv_proj``, ``qk_norm`` (Qwen3's
+per-head norms of q and k), ``rope``, ``kv_write``,
 ``attention``, ``repeat_kv`` (GQA's copy of the KV heads, inside attention), ``kv_expand`` (MLA's latent to keys and
 values), ``o_proj``, ``mlp``, ``moe_router``, ``experts``, ``lm_head``, ``sampling``. A range is named
 ``optiq/layer/<i>`` or ``optiq/role/<role>``; decode steps are ``optiq/step/<n>``. Annotation installs wrappers on the
@@ -27,7 +28,8 @@ NVTX_AVAILABLE = _nvtx is not None
 # Module attribute names -> role; matched against the last component of each submodule's qualified name.
 _ROLE_BY_NAME = {
     "embed_tokens": "embed",
-    "input_layernorm": "norm", "norm": "norm", "q_norm": "norm", "k_norm": "norm",
+    "input_layernorm": "norm", "norm": "norm",
+    "q_norm": "qk_norm", "k_norm": "qk_norm",  # their own role: the attention prologue fuses them with rope
     "post_attention_layernorm": "post_attn_norm",  # its own role: add_rmsnorm fuses this norm only
     "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "qkv_proj": "qkv_proj",
     # MLA (DeepSeek-V2/V3): q and the compressed KV latent are projections; expanding the latent is its own role

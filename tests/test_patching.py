@@ -34,12 +34,16 @@ def bindings(model):
             model.config._attn_implementation)
 
 
-def test_builtin_recipes_keep_logits_and_undo_restores_everything(tiny_model):
+@pytest.mark.parametrize("rival", ["attention_prologue", "qkv_proj"])
+def test_builtin_recipes_keep_logits_and_undo_restores_everything(tiny_model, rival):
+    """Every recipe at once (gate_up_swiglu rather than swiglu; of qkv_proj and attention_prologue, which patch the
+    same module, the one that is not ``rival``)."""
     catalog = load_catalog()
     before, reference = bindings(tiny_model), decode(tiny_model)
-    patches = apply(tiny_model, [r for name, r in catalog.items() if name != "swiglu"])  # gate_up_swiglu instead
+    patches = apply(tiny_model, [r for name, r in catalog.items() if name not in ("swiglu", rival)])
     applied = {row["recipe"]: row for row in patches.summary() if row["status"] == "applied"}
-    assert {"rmsnorm", "add_rmsnorm", "qkv_proj", "rope", "decode_attention", "greedy_sample"} <= set(applied)
+    attention = {"qkv_proj"} if rival == "attention_prologue" else {"attention_prologue"}
+    assert {"rmsnorm", "add_rmsnorm", "rope", "decode_attention", "greedy_sample"} | attention <= set(applied)
     assert applied["rmsnorm"]["modules"] >= 5 and applied["decode_attention"]["interfaces"] == 1
     assert tiny_model.config._attn_implementation == "optiq_decode"
     params = {name: p.data_ptr() for name, p in tiny_model.named_parameters()}

@@ -107,3 +107,19 @@ def _named(recipe, pct):
     from optiq.proposals import Proposal
 
     return Proposal(recipe, 0.0, pct, 0.0, "", "")
+
+
+def test_attention_prologue_outranks_qkv_proj_and_takes_the_qk_norms(catalog, tmp_path):
+    """On a fresh Qwen3-MoE profile the prologue covers the projections, q/k norms (their own role now), RoPE and the
+    cache write; qkv_proj patches the same module and is dropped, rmsnorm keeps the input norms."""
+    import torch
+
+    from optiq.models import load_model
+    from optiq.profiling import profile_step
+
+    model = load_model("tiny-qwen3-moe", torch.float32, torch.device("cpu"))
+    kernels = weighted_kernels([profile_step(model, 2, 8, 32, "eager", tmp_path, 2)])
+    proposals = {p.recipe: p for p in propose(catalog, kernels, "qwen3_moe")}
+    assert "attention_prologue" in proposals and "qkv_proj" not in proposals and "rope" not in proposals
+    assert "qk_norm" in set(kernels["role"])
+    assert "in norm" in proposals["rmsnorm"].where and "qk_norm" not in proposals["rmsnorm"].where

@@ -12,7 +12,7 @@ from optiq.errors import OptiqError
 from optiq.recipes import builtin_dir, load_catalog
 
 BUILTIN = {"decode_attention", "rmsnorm", "add_rmsnorm", "swiglu", "gate_up_swiglu", "qkv_proj", "rope", "greedy_sample",
-           "moe_experts", "mla_decode", "moe_router", "precision_flip"}
+           "moe_experts", "mla_decode", "moe_router", "precision_flip", "attention_prologue"}
 
 
 def test_builtin_catalog_and_fusion_paths_resolve():

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from fusions.attention_prologue import attention_prologue
 from fusions.decode_attention import decode_attention_reference
 from fusions.mla_decode import mla_decode_reference
 from fusions.moe_experts import moe_experts_reference
@@ -59,6 +60,12 @@ def attention_drops_last(q, k_cache, v_cache, lengths, scale):
 def experts_first_choice_only(x, top_k_index, top_k_weights, w_gate_up, w_down):
     """MoE experts that keep each token's first expert and drop the others (a top-k loop bound off by k - 1)."""
     return moe_experts_reference(x, top_k_index[:, :1], top_k_weights[:, :1], w_gate_up, w_down)
+
+
+def prologue_writes_one_slot_early(x, w_qkv, split_sizes, bias, head_dim, cos, sin, k_cache, v_cache, positions,
+                                   *norms):
+    """An attention prologue that writes the new token's k and v one slot before the fill counter."""
+    return attention_prologue(x, w_qkv, split_sizes, bias, head_dim, cos, sin, k_cache, v_cache, positions - 1, *norms)
 
 
 def router_drops_last_expert(logits, top_k, renormalize, scale, out_dtype):

@@ -1,4 +1,5 @@
-"""Attention: one GEMM for the Q, K and V projections, and a decode attention kernel behind an HF interface."""
+"""Attention: one GEMM for the Q, K and V projections (alone, or with norms, RoPE and the cache write fused after it),
+and a decode attention kernel behind an HF interface."""
 
 from __future__ import annotations
 
@@ -9,27 +10,47 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 
-def qkv_proj_forward(attn: torch.nn.Module, fusion):
-    """HF's llama-family attention forward (Qwen3's per-head q/k norms included) with one projection GEMM.
-
-    The weights (and biases) are concatenated here, once. RoPE, the attention function and ``eager_attention_forward``
-    are looked up at call time, in the module's own modeling module, so other patches (rope, an attention interface)
-    still apply underneath."""
+def _fused_qkv_weights(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """(weight, bias, split sizes) of the Q, K and V projections as one, concatenated here, once."""
     if attn.q_proj.in_features != attn.k_proj.in_features or attn.k_proj.in_features != attn.v_proj.in_features:
         raise ValueError(f"{type(attn).__name__}'s projections read different inputs")
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    weight = torch.cat([p.weight for p in projections]).detach()
     biased = [p.bias is not None for p in projections]
     if any(biased) and not all(biased):
         raise ValueError(f"{type(attn).__name__} has a bias on some projections only")
+    weight = torch.cat([p.weight for p in projections]).detach()
     bias = torch.cat([p.bias for p in projections]).detach() if all(biased) else None
-    sizes = [p.out_features for p in projections]
+    return weight, bias, [p.out_features for p in projections]
+
+
+def _attend(attn: torch.nn.Module, q, k, v, attention_mask, input_shape, kwargs: dict):
+    """HF's attention function for the module's implementation (looked up at call time, so an attention interface
+    patched underneath applies), then o_proj."""
+    implementation = attn.config._attn_implementation
+    attention = (sys.modules[type(attn).__module__].eager_attention_forward if implementation == "eager"
+                 else AttentionInterface._global_mapping[implementation])
+    extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
+    out, weights = attention(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **extra, **kwargs)
+    return attn.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def _pop_cache(kwargs: dict):
+    """The KV cache, passed as ``cache=`` (transformers 5.24) or ``past_key_values=`` (5.17), taken out of kwargs."""
+    cache, legacy = kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
+    return legacy if cache is None else cache
+
+
+def qkv_proj_forward(attn: torch.nn.Module, fusion):
+    """HF's llama-family attention forward (Qwen3's per-head q/k norms included) with one projection GEMM.
+
+    RoPE and the attention function are looked up at call time, in the module's own modeling module, so other
+    patches (rope, an attention interface) still apply underneath."""
+    weight, bias, sizes = _fused_qkv_weights(attn)
     modeling = sys.modules[type(attn).__module__]
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
 
     def forward(hidden_states: torch.Tensor, position_embeddings, attention_mask=None, **kwargs):
-        cache, legacy = kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
-        cache = legacy if cache is None else cache
+        cache = _pop_cache(kwargs)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)
         q, k, v = (t.view(hidden_shape) for t in fusion(hidden_states, weight, sizes, bias))
@@ -40,12 +61,35 @@ def qkv_proj_forward(attn: torch.nn.Module, fusion):
         q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, attn.layer_idx)
-        implementation = attn.config._attn_implementation
-        attention = (modeling.eager_attention_forward if implementation == "eager"
-                     else AttentionInterface._global_mapping[implementation])
-        extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
-        out, weights = attention(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **extra, **kwargs)
-        return attn.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+        return _attend(attn, q, k, v, attention_mask, input_shape, kwargs)
+
+    return forward
+
+
+def attention_prologue_forward(attn: torch.nn.Module, fusion):
+    """HF's llama-family attention forward whose prologue (Q/K/V GEMM, Qwen3's q/k norms, RoPE, the cache write) is
+    two launches, when the layer's cache is transformers' static one: the kernel writes k and v at the layer's fill
+    counter, which then advances as StaticLayer.update advances it. Other caches, and a cache not yet allocated, take
+    the module's own forward."""
+    weight, bias, sizes = _fused_qkv_weights(attn)
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if q_norm is not None and not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in (q_norm, k_norm)):
+        raise ValueError(f"{type(attn).__name__}'s q/k norms are not RMSNorms with a weight")
+    norms = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon) if q_norm is not None else ()
+    own_forward = type(attn).forward.__get__(attn)
+
+    def forward(hidden_states: torch.Tensor, position_embeddings, attention_mask=None, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        layer = cache.layers[attn.layer_idx] if cache is not None else None
+        if type(layer).__name__ != "StaticLayer" or not layer.is_initialized:
+            return own_forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+        _pop_cache(kwargs)
+        cos, sin = position_embeddings
+        batch, length = hidden_states.shape[:2]
+        q = fusion(hidden_states, weight, sizes, bias, attn.head_dim, cos, sin, layer.keys, layer.values,
+                   layer.cumulative_length.expand(batch), *norms)
+        layer.cumulative_length.add_(length)
+        return _attend(attn, q, layer.keys, layer.values, attention_mask, hidden_states.shape[:-1], kwargs)
 
     return forward
 
