@@ -1,7 +1,7 @@
 """MoE routing in one kernel: softmax over the experts, top-k, optional renormalisation and scaling, one cast.
 
 HF's top-k routers spend 4-6 kernels per layer on this (softmax, topk, sum and divide or multiply, cast): at decode,
-launches rather than bytes. Two entry points, one kernel:
+launches rather than bytes. Two entry points share the routing kernel:
 
 - ``route(logits, ...)`` takes the logits as the model computed them (Qwen3-MoE's bf16 F.linear). Equal logits give
   equal probabilities here as in torch, and among equal probabilities the lower expert index is taken first, the
