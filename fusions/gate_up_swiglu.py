@@ -31,6 +31,11 @@ def dot_accumulate(a, b, acc, FP32_DOT: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+def fp32_dot(dtype: torch.dtype) -> bool:
+    """dot_accumulate's FP32_DOT for inputs of ``dtype``: fp32 inputs, or any under the interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1" or dtype == torch.float32
+
+
 @triton.jit
 def _gate_up_gemm_swiglu_kernel(
     x_ptr, w_ptr, out_ptr,
@@ -93,11 +98,10 @@ def _gate_up_swiglu_op(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor
     out2d = out.view(rows, intermediate)
     config = _tile_config(rows, intermediate)
     grid = (triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(intermediate, config["BLOCK_N"]),)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     torch.library.wrap_triton(_gate_up_gemm_swiglu_kernel)[grid](
         x2d, w_gate_up, out2d, rows, intermediate, hidden,
         *x2d.stride(), *w_gate_up.stride(), *out2d.stride(),
-        FP32_DOT=interpreted or x.dtype == torch.float32, **config,
+        FP32_DOT=fp32_dot(x.dtype), **config,
     )
     return out
 

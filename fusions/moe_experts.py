@@ -20,14 +20,12 @@ The grid is sized from shapes alone (every tile an expert could need: cdiv(T*k, 
 past the last real tile find no rows and store nothing, so the op captures into a CUDA graph.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fusions.gate_up_swiglu import dot_accumulate
+from fusions.gate_up_swiglu import dot_accumulate, fp32_dot
 
 
 @triton.jit
@@ -196,7 +194,7 @@ def _moe_experts_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
     out = torch.empty_like(x)
     routing = top_k_weights.reshape(-1).contiguous()
     common = dict(BLOCK_E=triton.next_power_of_2(num_experts),
-                  FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or x.dtype == torch.float32)
+                  FP32_DOT=fp32_dot(x.dtype))
     torch.library.wrap_triton(_experts_gate_up_kernel)[(max_tiles, triton.cdiv(inter, gate_up["BLOCK_N"]))](
         x, order, tile_end, expert_start, counts, w_gate_up, act,
         top_k, num_experts, inter, hidden,

@@ -17,14 +17,12 @@ Weights come out [T, k] in descending order (lower index first among equal weigh
 A routing program takes BLOCK_T tokens over all experts (E <= 1024), so the top-k needs no second pass.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fusions.gate_up_swiglu import dot_accumulate
+from fusions.gate_up_swiglu import dot_accumulate, fp32_dot
 
 BLOCK_T = 16  # tokens per program: the smallest M tile of tl.dot
 BLOCK_K = 64
@@ -135,7 +133,7 @@ def _moe_route_gemm_op(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, r
                                                         triton.cdiv(experts, block_e))](
         hidden, weight, partial, tokens, experts, hidden_size, hidden.stride(0), weight.stride(0),
         BLOCK_T=BLOCK_T, BLOCK_E=block_e, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
-        FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or hidden.dtype == torch.float32, num_warps=4,
+        FP32_DOT=fp32_dot(hidden.dtype), num_warps=4,
     )
     logits = torch.empty((tokens, experts), dtype=torch.float32, device=hidden.device)
     weights, index = _route(partial, logits, splits, top_k, renormalize, scale, out_dtype)

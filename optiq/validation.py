@@ -365,11 +365,10 @@ def baselines(patches: Patches, concurrencies, steps: int, prompt_len: int, seed
     return found
 
 
-def end_to_end(patches: Patches, names: list[str], concurrencies=(1, 4), steps: int = 64, prompt_len: int = 16,
-               seed: int = 0, mode: str = "eager", found: dict[int, Baseline] | None = None) -> list[EndToEnd]:
-    """Teacher-forced decode of the model with recipes ``names`` applied against the reference (module docstring).
-    The model runs in engine ``mode`` (in graph mode, its captured graphs are what is checked); the fp32 reference
-    runs eager. ``found``: the baselines, if already computed for these settings."""
+def end_to_end(patches: Patches, names: list[str], found: dict[int, Baseline], mode: str = "eager") -> list[EndToEnd]:
+    """Teacher-forced decode of the model with recipes ``names`` applied against the reference (module docstring), at
+    each concurrency of ``found``, its baselines (``baselines``). The model runs in engine ``mode`` (in graph mode,
+    its captured graphs are what is checked); the fp32 reference ran eager."""
     model = patches.model
     dtype = next(model.parameters()).dtype
     chosen = [patches.applied[n] for n in names]
@@ -378,12 +377,11 @@ def end_to_end(patches: Patches, names: list[str], concurrencies=(1, 4), steps: 
     floor = E2E_FLOOR_EPS * torch.finfo(torch.float32).eps if loosest != "exact" else 0.0
     model_changes = [c for a in chosen if a.recipe.patch_kind != "engine" for c in a.changes]
     engine_recipes = [a for a in chosen if a.recipe.patch_kind == "engine"]
-    found = found or baselines(patches, concurrencies, steps, prompt_len, seed, mode)
     results = []
     with torch.inference_mode(), patches.suspended():
-        for concurrency in concurrencies:
+        for concurrency, b in found.items():
             started = time.perf_counter()
-            b = found[concurrency]
+            steps = b.want.shape[0]
             got, got_picks = _decode(model, b.prompt, steps, b.picks, model_changes, engine_recipes, mode)
             rel = ((got - b.want).norm() / b.want.norm()).item()
             rel_base = ((b.base - b.want).norm() / b.want.norm()).item()
@@ -421,7 +419,7 @@ def validate(patches: Patches, concurrencies=(1, 4), steps: int = 64, prompt_len
     report.baseline_seconds = time.perf_counter() - started
 
     def check(names: list[str]) -> list[EndToEnd]:
-        return end_to_end(patches, names, concurrencies, steps, prompt_len, seed, mode, found)
+        return end_to_end(patches, names, found, mode)
 
     report.end_to_end = check(kept)
     if all(e.passed for e in report.end_to_end):
