@@ -8,7 +8,7 @@ import torch
 from optiq.models import load_model
 from optiq.patching import apply, unpatch
 from optiq.recipes import load_catalog
-from optiq.validation import _decode, validate
+from optiq.validation import _decode, baselines, end_to_end, validate
 from wrong_kernels import user_recipe
 
 FAST = {"concurrencies": (1, 2), "steps": 3, "prompt_len": 5}
@@ -78,13 +78,14 @@ def test_bf16_model_is_gated_against_itself_computing_in_fp32():
     assert report.passed, report
     (check,) = report.end_to_end
     assert 0 < check.rel_err_unpatched < 0.05 and check.rel_err <= check.bound
+    assert 0 < report.reference_seconds < report.baseline_seconds
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="graph mode needs CUDA")
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3-moe"])
 def test_graph_mode_gate_checks_the_captured_patched_model(preset):
     model = load_model(preset, torch.bfloat16, torch.device("cuda"))
-    patches = apply(model, [r for name, r in load_catalog().items() if name != "swiglu"])
+    patches = apply(model, [r for name, r in load_catalog().items() if name not in ("swiglu", "qkv_proj")])
     report = validate(patches, concurrencies=(1, 16), steps=8, prompt_len=5, mode="graph")
     assert report.passed, report
     assert not report.rolled_back and all(e.top1 >= e.min_top1 for e in report.end_to_end)
@@ -168,9 +169,31 @@ def test_one_fp32_reference_decode_serves_every_concurrency(monkeypatch):
     monkeypatch.setattr(validation, "_decode", lambda *a, **k: decodes.append(k.get("dtype")) or plain_decode(*a, **k))
     report = validate(patches, **FAST)
     assert report.passed and decodes.count(torch.float32) == 1, decodes
-    found = validation.baselines(patches, (1, 2), 3, 5, 0, "eager")
+    found, _ = validation.baselines(patches, (1, 2), 3, 5, 0, "eager")
     with torch.inference_mode(), patches.suspended():
         alone, alone_picks = plain_decode(model, found[1].prompt, 3, None, [], [], dtype=torch.float32)
     torch.testing.assert_close(found[1].want, alone, rtol=1e-5, atol=1e-5)
     assert torch.equal(found[1].picks, alone_picks)
+    unpatch(model)
+
+
+def test_streamed_errors_equal_those_of_the_stored_logits():
+    """The end-to-end check compares each step's logits as it comes instead of keeping them; its numbers must be
+    those of the whole decodes' logits compared at once, for the unpatched model as for the patched one."""
+    model = load_model("tiny-llama", torch.bfloat16, torch.device("cpu"))
+    patches = apply(model, [load_catalog()["rmsnorm"]])
+    found, _ = baselines(patches, (1, 2), 3, 5, 0, "eager")
+    checks = end_to_end(patches, ["rmsnorm"], found)
+    assert [c.concurrency for c in checks] == [1, 2]
+    with torch.inference_mode(), patches.suspended():
+        for check in checks:
+            b = found[check.concurrency]
+            assert b.want.dtype == torch.float32
+            want = b.want.double()
+            for changes, rel_err, top1 in [([], check.rel_err_unpatched, check.top1_unpatched),
+                                           (patches.applied["rmsnorm"].changes, check.rel_err, check.top1)]:
+                got, picks = _decode(model, b.prompt, 3, b.picks, changes, [])
+                expected = ((got.double() - want).norm() / want.norm()).item()
+                assert 0 < rel_err == pytest.approx(expected, rel=1e-9, abs=0), (changes, rel_err, expected)
+                assert top1 == (picks[1:] == b.picks[1:]).double().mean().item()
     unpatch(model)

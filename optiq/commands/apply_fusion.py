@@ -146,6 +146,7 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
         report["timings"]["gate_s"] = time.perf_counter() - started
         report["timings"]["gate_capture_s"] = gate.capture_seconds
         report["timings"]["gate_baselines_s"] = gate.baseline_seconds
+        report["timings"]["gate_reference_s"] = gate.reference_seconds
         report["gate"] = {"recipes": {n: asdict(r) for n, r in gate.recipes.items()},
                           "end_to_end": [asdict(e) for e in gate.end_to_end]}
         report["rolled_back"], report["applied"] = gate.rolled_back, list(patches.applied)
