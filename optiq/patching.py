@@ -125,9 +125,11 @@ def resolve(recipe: Recipe, field_name: str, path: str) -> Callable:
 
 
 def _module_sites(model: torch.nn.Module, recipe: Recipe, fusion: Callable, factory: Callable) -> list[Site]:
+    """Every instance of the recipe's classes (only those under its attribute names, when it gives some)."""
     sites = []
     for name, module in model.named_modules():
-        if type(module).__name__ in recipe.patch_target:
+        if type(module).__name__ in recipe.patch_target and (
+                not recipe.patch_names or name.rsplit(".", 1)[-1] in recipe.patch_names):
             sites.append(Site(name or type(module).__name__, module.forward, factory(module, fusion),
                               lambda fn, module=module: _set_attribute(module, "forward", fn)))
     return sites
@@ -267,8 +269,8 @@ def apply(model: torch.nn.Module, recipes: Iterable[Recipe], engine=None) -> Pat
             patches.not_applicable[recipe.name] = str(exc)
             continue
         if not sites:
-            patches.not_applicable[recipe.name] = f"the model has no {recipe.patch_kind.replace('_', ' ')} " \
-                                                  f"{' / '.join(recipe.patch_target)}"
+            patches.not_applicable[recipe.name] = (f"the model has no {recipe.patch_kind.replace('_', ' ')} "
+                                                   f"{recipe.target_label}")
             continue
         for site in sites:
             patches._install(applied, site)

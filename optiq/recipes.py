@@ -43,9 +43,16 @@ class Recipe:
     patch_target: tuple[str, ...]  # module class names, or one function / interface / method name
     patch_with: str  # import path "module:attribute" of the factory that builds the replacement
     path: str
+    patch_names: tuple[str, ...] = ()  # module_forward only: just the instances under these attribute names
 
     def applies_to(self, model_type: str) -> bool:
         return "*" in self.architectures or model_type in self.architectures
+
+    @property
+    def target_label(self) -> str:
+        """What it patches, as a person reads it: "Linear named o_proj / down_proj"."""
+        named = f" named {' / '.join(self.patch_names)}" if self.patch_names else ""
+        return f"{' / '.join(self.patch_target)}{named}"
 
     @property
     def claims(self) -> tuple[tuple[str, str], ...]:
@@ -109,6 +116,9 @@ def parse_recipe(path: Path) -> Recipe:
         raise OptiqError(f"{path}: recipe field 'patch.kind' must be one of {', '.join(PATCH_KINDS)}, not '{kind}'")
     target_key = PATCH_KINDS[kind]
     target = _field(path, patch, target_key, list if target_key == "modules" else str, "patch.")
+    names = _field(path, patch, "names", list, "patch.") if "names" in patch else ()
+    if names and kind != "module_forward":
+        raise OptiqError(f"{path}: recipe field 'patch.names' narrows a module_forward patch only, not '{kind}'")
     architectures = _field(path, data, "architectures", list)
     if not architectures:
         raise OptiqError(f"{path}: recipe field 'architectures' is empty (use [\"*\"] for every architecture)")
@@ -118,7 +128,8 @@ def parse_recipe(path: Path) -> Recipe:
         tolerance=tolerance, roles=_field(path, fixes, "roles", list, "fixes."), op_classes=op_classes,
         aten_ops=_field(path, fixes, "aten_ops", list, "fixes."), kernels_saved_per_layer=saved, patch_kind=kind,
         patch_target=target if isinstance(target, tuple) else (target,),
-        patch_with=_import_path(path, _field(path, patch, "with", str, "patch."), "patch.with"), path=str(path))
+        patch_with=_import_path(path, _field(path, patch, "with", str, "patch."), "patch.with"), path=str(path),
+        patch_names=names)
 
 
 def load_catalog(extra_dirs: list[str] | tuple[str, ...] = ()) -> dict[str, Recipe]:

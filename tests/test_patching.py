@@ -43,8 +43,12 @@ def test_builtin_recipes_keep_logits_and_undo_restores_everything(tiny_model, ri
     patches = apply(tiny_model, [r for name, r in catalog.items() if name not in ("swiglu", rival)])
     applied = {row["recipe"]: row for row in patches.summary() if row["status"] == "applied"}
     attention = {"qkv_proj"} if rival == "attention_prologue" else {"attention_prologue"}
-    assert {"rmsnorm", "add_rmsnorm", "rope", "decode_attention", "greedy_sample"} | attention <= set(applied)
+    assert {"rmsnorm", "add_rmsnorm", "rope", "decode_attention", "greedy_sample", "decode_linear"} | attention <= \
+        set(applied)
     assert applied["rmsnorm"]["modules"] >= 5 and applied["decode_attention"]["interfaces"] == 1
+    layers = tiny_model.config.num_hidden_layers
+    assert {site.rsplit(".", 1)[-1] for site in applied["decode_linear"]["sites"]} <= {"o_proj", "down_proj"}
+    assert sum(site.endswith(".o_proj") for site in applied["decode_linear"]["sites"]) == layers
     assert tiny_model.config._attn_implementation == "optiq_decode"
     params = {name: p.data_ptr() for name, p in tiny_model.named_parameters()}
 

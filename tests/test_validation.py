@@ -99,6 +99,7 @@ def test_graph_mode_gate_checks_the_captured_patched_model(preset):
     ("tiny-deepseek-v2", "moe_router", "wrong_kernels:router_drops_last_expert"),
     ("tiny-llama", "attention_prologue", "wrong_kernels:prologue_writes_one_slot_early"),
     ("tiny-qwen3-moe", "attention_prologue", "wrong_kernels:prologue_writes_one_slot_early"),
+    ("tiny-deepseek-v2", "decode_linear", "wrong_kernels:linear_skips_last_k_column"),
 ])
 def test_moe_and_mla_recipes_pass_and_their_wrong_kernels_are_rolled_back(tmp_path, preset, base, fusion):
     model = load_model(preset, torch.float32, torch.device("cpu"))
@@ -113,13 +114,13 @@ def test_moe_and_mla_recipes_pass_and_their_wrong_kernels_are_rolled_back(tmp_pa
 
 
 def test_the_whole_catalog_passes_on_the_mla_moe_preset():
-    """Every recipe that applies to DeepSeek-V2 at once: norms, MLA decode, router, experts, sampling (the router's
-    lossy rival precision_flip has its own test)."""
+    """Every recipe that applies to DeepSeek-V2 at once: norms, MLA decode, router, experts, o_proj, sampling (the
+    router's lossy rival precision_flip has its own test)."""
     model = load_model("tiny-deepseek-v2", torch.float32, torch.device("cpu"))
     patches = apply(model, [r for r in load_catalog().values()
                             if r.applies_to("deepseek_v2") and r.name != "precision_flip"])
     assert set(patches.applied) == {"rmsnorm", "add_rmsnorm", "mla_decode", "moe_router", "moe_experts",
-                                    "greedy_sample"}
+                                    "decode_linear", "greedy_sample"}
     report = validate(patches, **FAST)
     assert report.passed and not report.rolled_back, report
     unpatch(model)

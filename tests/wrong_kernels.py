@@ -78,6 +78,11 @@ def mla_drops_last(q_lat, q_pe, c_cache, pe_cache, lengths, scale):
     return mla_decode_reference(q_lat, q_pe, c_cache, pe_cache, lengths - 1, scale)
 
 
+def linear_skips_last_k_column(x, weight, bias=None):
+    """A GEMM whose K loop stops one column short (a masked tail tile that is never loaded)."""
+    return torch.nn.functional.linear(x[..., :-1], weight[:, :-1], bias)
+
+
 def raising_norm(x, weight, eps, offset=False, out=None):
     """A kernel that fails at launch."""
     raise RuntimeError("out of shared memory")

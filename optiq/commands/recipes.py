@@ -32,7 +32,7 @@ def recipes(ctx, recipes_dir, as_json):
         table.add_column(column, overflow="fold")
     for r in catalog.values():
         table.add_row(r.name, f"{', '.join(r.roles)}: {', '.join(r.op_classes)}", str(r.kernels_saved_per_layer),
-                      ", ".join(r.architectures), f"{r.patch_kind} {', '.join(r.patch_target)}", r.tolerance)
+                      ", ".join(r.architectures), f"{r.patch_kind} {r.target_label}", r.tolerance)
     out.print(table)
 
 
@@ -53,6 +53,6 @@ def show(name, recipes_dir, as_json):
     out.print(f"fixes      roles {', '.join(r.roles)}; op classes {', '.join(r.op_classes)}; aten ops "
               f"{', '.join(r.aten_ops)}; saves {r.kernels_saved_per_layer} kernels per layer")
     out.print(f"applies to {', '.join(r.architectures)}")
-    out.print(f"patches    {r.patch_kind}: {', '.join(r.patch_target)} with {r.patch_with}")
+    out.print(f"patches    {r.patch_kind}: {r.target_label} with {r.patch_with}")
     out.print(f"fusion     {r.fusion}")
     out.print(f"tolerance  {r.tolerance}: {TOLERANCES[r.tolerance]}")

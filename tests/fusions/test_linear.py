@@ -1,0 +1,85 @@
+"""The decode GEMM against nn.Linear in float64: rows 1-16 with and without bias, odd K and N, prefill rows handed to
+cuBLAS, the presets' projections.
+
+CPU cases run under the Triton interpreter at small shapes; CUDA cases use the presets' projections."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusions.linear import DECODE_ROWS, PROJECTIONS, benchmark_case, linear
+from kernel_testing import OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
+
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def make_inputs(seed, leading, k, n, dtype, device, bias):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*leading, k, generator=gen).to(device=device, dtype=dtype)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(device=device, dtype=dtype)
+    return x, weight, torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
+
+
+def check(x, weight, bias, kernel=linear):
+    got = kernel(x, weight, bias)
+    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.shape == want.shape and got.dtype == x.dtype
+    tolerance = TOLERANCES[x.dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+    return got
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("leading, k, n", [((1,), 64, 48), ((3, 1), 96, 40), ((16,), 300, 33), ((2, 5), 600, 20)])
+def test_matches_nn_linear(request, leading, k, n, bias):
+    check(*make_inputs(seed_of(request), leading, k, n, torch.float32, SMALL_DEVICE, bias))
+
+
+def test_bf16(request):
+    check(*make_inputs(seed_of(request), (5,), 160, 48, torch.bfloat16, SMALL_DEVICE, bias=True))
+
+
+def test_the_comparison_can_fail(request):
+    """A kernel that left out the last column of K would be caught at these tolerances."""
+    x, weight, bias = make_inputs(seed_of(request), (3,), 96, 40, torch.float32, SMALL_DEVICE, bias=True)
+    with pytest.raises(AssertionError):
+        check(x, weight, bias, kernel=lambda x, weight, bias: linear(x[:, :-1], weight[:, :-1], bias))
+
+
+def test_prefill_rows_are_cublas_s(request):
+    x, weight, bias = make_inputs(seed_of(request), (DECODE_ROWS + 1,), 64, 32, torch.float32, SMALL_DEVICE, True)
+    assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+def test_wrong_shapes_are_refused():
+    x, weight, bias = make_inputs(1, (2,), 64, 32, torch.float32, "cpu", bias=True)
+    with pytest.raises(ValueError):
+        linear(x, weight[:, :32])
+    with pytest.raises(ValueError):
+        linear(x, weight, bias[:16])
+
+
+def test_custom_op_registration(request):
+    x, weight, bias = make_inputs(seed_of(request), (2,), 64, 32, torch.float32, SMALL_DEVICE, bias=True)
+    torch.library.opcheck(torch.ops.optiq.linear.default, (x, weight, bias), **OPCHECKS)
+
+
+@needs_cuda
+@pytest.mark.parametrize("projection", PROJECTIONS)
+@pytest.mark.parametrize("rows", [1, 16])
+def test_preset_projections_cuda(projection, rows):
+    k, n = PROJECTIONS[projection]
+    check(*make_inputs(rows + k + n, (rows,), k, n, torch.bfloat16, "cuda", bias=False))
+
+
+@needs_cuda
+@pytest.mark.parametrize("k, n", [(2048, 1024), (4096, 4096)])
+def test_cuda_graph_and_compile_cuda(k, n):
+    x, weight, bias = make_inputs(k + n, (4, 1), k, n, torch.bfloat16, "cuda", bias=True)
+    assert_graph_replay_and_compile(lambda: linear(x, weight, bias), lambda: x.copy_(torch.randn_like(x)))
+
+
+@needs_cuda
+def test_benchmark_cases_cuda():
+    for case in benchmark_case(16, torch.bfloat16, "cuda").values():
+        torch.testing.assert_close(case["fused"](), case["eager"](), rtol=2e-2, atol=2e-2)
