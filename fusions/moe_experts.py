@@ -126,7 +126,10 @@ def _experts_sum_choices_kernel(per_slot_ptr, out_ptr, top_k, N, stride_s, strid
 _PROGRAMS_IN_FLIGHT = 512
 
 
-def _tile_config(slots: int, experts: int, n: int) -> dict:
+TILE_GRID = [dict(BLOCK_N=n, BLOCK_K=k, num_stages=s) for n in (16, 32, 64) for k in (64, 128) for s in (3, 4)]
+
+
+def tile_config(slots: int, experts: int, n: int) -> dict:
     """Tiles from the shapes (the interpreter cannot autotune): decode gives each expert a few slots, so the M tile
     is the smallest the tensor cores take and the weight stream is the cost; the N tile shrinks until the experts
     in use (at least min(E, slots) tiles) give enough programs to stream the weights in parallel."""
@@ -183,8 +186,8 @@ def _moe_experts_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
     num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
     slots = tokens * top_k
-    gate_up = _tile_config(slots, num_experts, inter)
-    down = _tile_config(slots, num_experts, hidden)
+    gate_up = tile_config(slots, num_experts, inter)
+    down = tile_config(slots, num_experts, hidden)
     block_m = gate_up["BLOCK_M"]
     order, counts, expert_start, tile_end = pack_by_expert(top_k_index, num_experts, block_m)
     max_tiles = triton.cdiv(slots, block_m) + min(num_experts, slots)

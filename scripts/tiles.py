@@ -1,0 +1,34 @@
+"""Time a fusion under the fixed tile configs of its TILE_GRID against its shape heuristic (tile_config), at decode
+row counts of its benchmark cases, on a GPU: which tiles keep HBM busiest with few rows.
+Usage: python scripts/tiles.py FUSION OUT.json   (FUSION: moe_experts, linear)"""
+
+import importlib
+import json
+import sys
+
+import torch
+import triton
+
+
+def main(name: str, out_path: str) -> None:
+    module = importlib.import_module(f"fusions.{name}")
+    heuristic = module.tile_config
+    results = []
+    for rows in (1, 16, 64):
+        cases = module.benchmark_case(rows, torch.bfloat16, torch.device("cuda"))
+        for label, case in ([(name, cases)] if "fused" in cases else cases.items()):
+            for config in [None, *module.TILE_GRID]:
+                module.tile_config = heuristic if config is None else (
+                    lambda *shape, config=config: {**heuristic(*shape), **config})
+                ms = triton.testing.do_bench_cudagraph(case["fused"], rep=50, return_mode="median")
+                roof = case["bytes"] / (ms * 1e-3) / 4.25e12
+                results.append({"case": label, "rows": rows, "config": config or "heuristic", "us": ms * 1e3,
+                                "roof": roof})
+                print(f"{label:28} rows {rows:3d} {str(config or 'heuristic'):45} "
+                      f"{ms * 1e3:8.1f} us {100 * roof:5.1f}% roof", flush=True)
+            module.tile_config = heuristic
+    json.dump(results, open(out_path, "w"), indent=2)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
