@@ -95,4 +95,12 @@ def test_cuda_graph_and_compile_cuda():
     counter = torch.tensor(9, device="cuda")  # the static cache's fill counter, advanced between replays
     inputs["positions"] = counter.expand(4)
     assert_graph_replay_and_compile(lambda: (attention_prologue(**inputs), inputs["k_cache"].clone()),
-                                    lambda: (inputs["x"].copy_(inputs["x"].roll(1, dims=0)), counter.add_(1)))
+                                    lambda: (inputs["x"].copy_(inputs["x"].roll(1, dims=0)), counter.add_(1)),
+                                    same_compiled=within_one_bf16_rounding)
+
+
+def within_one_bf16_rounding(got, want):
+    """Inductor lowers the QKV F.linear of a 3-D input to another cuBLAS GEMM than eager's (on the H200 4 of 8192 q
+    elements differed by one rounding), so compiled the op is held to one bf16 rounding; replayed, to every bit."""
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=2**-7, atol=2**-7)
