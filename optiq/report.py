@@ -89,6 +89,17 @@ def _rows(report: dict, state: str, compiled: bool = False) -> dict[int, dict]:
     return {r["concurrency"]: r for r in rows if r.get("variant", "").startswith("compile+") == compiled}
 
 
+def time_to_optimized(report: dict) -> tuple[float, float | None] | None:
+    """Seconds from the loaded model to the optimized one serving (patch + gate + the after graphs' capture), and
+    torch.compile's warm-up at the same concurrencies when it was measured: the wait a user trades for the speed."""
+    timings = report.get("timings") or {}
+    if not all(k in timings for k in ("patch_s", "gate_s", "capture_s")):
+        return None
+    compiled = [r.get("warmup_s") for r in _rows(report, "before", compiled=True).values()]
+    warmup = sum(compiled) if compiled and None not in compiled else None
+    return timings["patch_s"] + timings["gate_s"] + timings["capture_s"], warmup
+
+
 def _ok(row: dict | None, key: str):
     """A row's number, "oom" for a point that ran out of memory, None when not measured."""
     if row is None:
@@ -312,6 +323,10 @@ def report_document(report: dict) -> Document:
     if timings:
         facts.append(("timings", ", ".join(f"{k.removesuffix('_s')} {_fmt(v, '.1f', ' s')}"
                                            for k, v in timings.items())))
+    if (waits := time_to_optimized(report)) is not None:
+        optimized, warmup = waits
+        facts.append(("time to optimized", f"{optimized:.1f} s (patch + gate + capture)" + (
+            f"; torch.compile's warm-up {warmup:.1f} s, {optimized / warmup:.2f}x of it" if warmup else "")))
     mode = report.get("mode", "")
     before, after = _rows(report, "before"), _rows(report, "after")
     runs = [(f"before ({mode})", before, "solid"), (f"after ({mode})", after, "solid"),

@@ -9,7 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from optiq.cli import cli
-from optiq.report import compare_runs, headline, load_report, render_html, report_document, savings, write_report
+from optiq.report import (compare_runs, headline, load_report, render_html, report_document, savings,
+                          time_to_optimized, write_report)
 from optiq.rundir import write_json
 
 FLOOR_MS = {1: 3.568, 16: 3.836, 64: 4.693}
@@ -113,6 +114,18 @@ def test_savings_predicted_per_recipe_measured_for_the_set():
     assert s["kernels_removed_per_step"] == {1: 1661 - 1098, 16: None, 64: 1661 - 1098}
 
 
+def test_time_to_optimized_sets_patch_gate_and_capture_against_compile_s_warm_up():
+    report = h200_report()
+    for row in report["before"]["rows"]:
+        row["warmup_s"] = 30.0 if row["variant"] == "compile+graph" else 0.2
+    optimized, warmup = time_to_optimized(report)
+    assert optimized == pytest.approx(0.4 + 12.0 + 1.2) and warmup == pytest.approx(30.0 * len(COMPILED))
+    report["before"]["rows"] = [r for r in report["before"]["rows"] if r["variant"] == "graph"]
+    assert time_to_optimized(report) == (pytest.approx(13.6), None)
+    del report["timings"]["capture_s"]  # a run the gate rejected never captures
+    assert time_to_optimized(report) is None
+
+
 def test_markdown_has_every_section_and_the_gate_verdicts(tmp_path):
     run = run_dir_with(tmp_path, h200_report())
     written = write_report(run)
@@ -124,7 +137,7 @@ def test_markdown_has_every_section_and_the_gate_verdicts(tmp_path):
                  "| gate_up_swiglu | not applicable |", "no fused gate_up weight",
                  "| predicted: decode_attention (ms/step) | 2.100 | — | 45.867 |",
                  "| measured: kernels removed per step (profiled) | 563 | — | 563 |", "not separable",
-                 "copy_ in repeat_kv \\| 85.8%"):
+                 "copy_ in repeat_kv \\| 85.8%", "13.6 s (patch + gate + capture); torch.compile's warm-up"):
         assert text in md, text
     assert md.count("| passed |") == 2
 

@@ -46,8 +46,9 @@ def choose_recipes(requested: str, catalog: dict, proposals: dict[int, list], mi
 @measurement_options("Also measure torch.compile of the unpatched model, the peer a user would pick instead.")
 @click.option("--gate-steps", default=64, show_default=True, type=click.IntRange(1),
               help="Teacher-forced decode steps of the end-to-end check, at every concurrency.")
-@click.option("--min-share", default=0.5, show_default=True,
-              help="auto: take proposals that cover at least this % of the step at some concurrency.")
+@click.option("--min-share", default=0.25, show_default=True,
+              help="auto: take proposals that cover at least this % of the step at some concurrency (of the "
+                   "unpatched step: llama-3.1-8b's argmax is 0.45% of it, 0.8% of the fused one).")
 @click.option("--runs-dir", default="runs", show_default=True, help="Where the run directory is created.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
 def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency, prompt_len, new_tokens, max_len,
