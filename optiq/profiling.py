@@ -16,13 +16,16 @@ PROFILED_STEPS = 4
 
 
 def capture(model: torch.nn.Module, batch: int, prompt_len: int, max_len: int, mode: str, path: Path,
-            steps: int = PROFILED_STEPS) -> Path:
+            steps: int = PROFILED_STEPS, engine_patches=None) -> Path:
     """Decode ``steps`` steps of a ``batch``-sequence prompt under torch.profiler and write the trace to ``path``.
 
     Eager traces carry the role and layer annotations; graph traces only the step ranges (a replay runs no Python).
+    ``engine_patches`` (optiq.patching.Patches) installs the recipes that patch the engine, as the timed runs do.
     """
     device = next(model.parameters()).device
     engine = DecodeEngine(model, batch, max_len, mode=mode)
+    if engine_patches is not None:
+        engine_patches.attach(engine)
     try:
         generator = torch.Generator().manual_seed(batch)
         vocab = model.config.get_text_config(decoder=True).vocab_size
@@ -47,6 +50,8 @@ def capture(model: torch.nn.Module, batch: int, prompt_len: int, max_len: int, m
                     _synchronize(device)  # the tracer stops at this prof.step(): let the last kernels finish
                 prof.step()
     finally:
+        if engine_patches is not None:
+            engine_patches.detach(engine)
         engine.release()
     return path
 
@@ -57,14 +62,14 @@ def _synchronize(device: torch.device) -> None:
 
 
 def profile_step(model: torch.nn.Module, batch: int, prompt_len: int, max_len: int, mode: str, directory: Path,
-                 steps: int = PROFILED_STEPS, tag: str = ""):
+                 steps: int = PROFILED_STEPS, tag: str = "", engine_patches=None):
     """Capture and read the traces of one concurrency: the annotated eager step, and in graph mode the replay with
     its kernels aligned to the eager step's. Returns the trace of what is timed (the replay in graph mode)."""
     from optiq.attribution import align_graph_with_eager
     from optiq.trace_reader import read_trace
 
-    paths = {m: capture(model, batch, prompt_len, max_len, m, directory / f"trace_{tag}{m}_C{batch}.json.gz", steps)
-             for m in dict.fromkeys(("eager", mode))}
+    paths = {m: capture(model, batch, prompt_len, max_len, m, directory / f"trace_{tag}{m}_C{batch}.json.gz", steps,
+                        engine_patches) for m in dict.fromkeys(("eager", mode))}
     timed = eager = read_trace(paths["eager"])
     if mode == "graph":
         timed = read_trace(paths["graph"])

@@ -110,3 +110,20 @@ def test_an_import_path_that_does_not_resolve_is_a_clear_error(tmp_path, field, 
     with pytest.raises(OptiqError, match=f"recipe 'my_norm': {shown} '{path}' does not resolve"):
         apply(model, [recipe])
     assert patches_of(model) is None
+
+
+def test_engine_recipes_are_in_the_profiled_step(tmp_path):
+    """apply-fusion's after-profile runs the engine recipes its timed runs run (the fused sampler, not torch's)."""
+    import gzip
+    import json
+
+    from optiq.models import load_model
+    from optiq.profiling import profile_step
+
+    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    patches = apply(model, [load_catalog()["greedy_sample"]])
+    profile_step(model, 2, 8, 32, "eager", tmp_path, 2, engine_patches=patches)
+    names = {e.get("name", "") for e in json.load(gzip.open(tmp_path / "trace_eager_C2.json.gz"))["traceEvents"]}
+    assert any("greedy_sample" in n for n in names) and not any(n == "aten::argmax" for n in names)
+    assert patches.applied["greedy_sample"].engines == []
+    unpatch(model)

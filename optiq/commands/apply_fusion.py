@@ -99,11 +99,12 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
     def save():
         write_json(run.path / "report.json", report)
 
-    def profile_all(key: str, tag: str) -> dict[int, object]:
+    def profile_all(key: str, tag: str, engine_patches=None) -> dict[int, object]:
         timed = {}
         for batch in concurrencies:
             with err.status(f"profiling {model_spec} C={batch} ({tag})"):
-                trace = profile_step(model, batch, prompt_len, max_len, mode, run.path, PROFILED_STEPS, tag + "_")
+                trace = profile_step(model, batch, prompt_len, max_len, mode, run.path, PROFILED_STEPS, tag + "_",
+                                     engine_patches)
             attribution = attribute([trace], "class")
             report[key][str(batch)] = {"summary": attribution.summary,
                                        "table": attribution.table.to_dict(orient="records")}
@@ -155,7 +156,7 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
         if patches.applied:
             measure("after", [(mode, mode, None)], engine_patches=patches)
             report["timings"]["capture_s"] = sum(r.get("warmup_s", 0.0) for r in report["after"]["rows"])
-            profile_all("attribution_after", "after")
+            profile_all("attribution_after", "after", patches)
         report["status"] = "complete" if patches.applied else "rejected"
     except OptiqError:
         report["status"] = "failed"
