@@ -31,6 +31,27 @@ def dot_accumulate(a, b, acc, FP32_DOT: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+@triton.jit
+def stream_dot(x_ptr, w_ptr, rows, w_rows, M, W_ROWS, K, stride_xm, stride_xk, stride_wn, stride_wk,
+               BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr):
+    """x[rows] @ w[w_rows].T [BLOCK_M, BLOCK_W] over all of K, accumulated in fp32: the K loop of a decode GEMM,
+    whose cost is streaming w's rows (rows past M and w rows past W_ROWS read as zeros)."""
+    cols_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols_k[None, :] * stride_xk
+    w_ptrs = w_ptr + w_rows[None, :].to(tl.int64) * stride_wn + cols_k[:, None] * stride_wk
+    row_mask = rows[:, None] < M
+    w_mask = w_rows[None, :] < W_ROWS
+    acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = cols_k + k0 < K
+        x = tl.load(x_ptrs, mask=row_mask & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=w_mask & k_mask[:, None], other=0.0)
+        acc = dot_accumulate(x, w, acc, FP32_DOT)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
 def fp32_dot(dtype: torch.dtype) -> bool:
     """dot_accumulate's FP32_DOT for inputs of ``dtype``: fp32 inputs, or any under the interpreter."""
     return os.environ.get("TRITON_INTERPRET") == "1" or dtype == torch.float32
@@ -52,26 +73,13 @@ def _gate_up_gemm_swiglu_kernel(
     pid_n = tl.program_id(0) // num_m_tiles
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     w_rows = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-    cols_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols_k[None, :] * stride_xk
-    w_ptrs = w_ptr + w_rows[None, :].to(tl.int64) * stride_wn + cols_k[:, None] * stride_wk
-    row_mask = rows[:, None] < M
-    w_row_mask = w_rows[None, :] < 2 * N
-
-    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = cols_k + k0 < K
-        x = tl.load(x_ptrs, mask=row_mask & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=w_row_mask & k_mask[:, None], other=0.0)
-        acc = dot_accumulate(x, w, acc, FP32_DOT)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-
+    acc = stream_dot(x_ptr, w_ptr, rows, w_rows, M, 2 * N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                     BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP32_DOT)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     out = gate * tl.sigmoid(gate) * up
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask & (cols[None, :] < N))
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 def _tile_config(rows: int, intermediate: int) -> dict:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fusions.gate_up_swiglu import dot_accumulate, fp32_dot
+from fusions.gate_up_swiglu import fp32_dot, stream_dot
 
 DECODE_ROWS = 16  # rows up to which the streaming kernel is used
 BLOCK_M = 16  # the smallest M of a tensor-core dot
@@ -30,23 +30,12 @@ def _linear_kernel(
     """Output columns [BLOCK_N] of every row (M <= BLOCK_M), accumulated in fp32 over all of K."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + cols_k[None, :] * stride_xk
-    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + cols_k[:, None] * stride_wk
-    row_mask = rows[:, None] < M
-    col_mask = cols[None, :] < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = cols_k + k0 < K
-        x = tl.load(x_ptrs, mask=row_mask & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=col_mask & k_mask[:, None], other=0.0)
-        acc = dot_accumulate(x, w, acc, FP32_DOT)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+    acc = stream_dot(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                     BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
-             mask=row_mask & col_mask)
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 def tile_config(rows: int, n: int, k: int) -> dict:
