@@ -1,5 +1,5 @@
-"""The decode GEMM against nn.Linear in float64: rows 1-16 with and without bias, odd K and N, prefill rows handed to
-cuBLAS, the presets' projections.
+"""The decode GEMM against nn.Linear in float64: rows 1-16 with and without bias, odd K and N, every output element
+written, prefill rows handed to cuBLAS.
 
 CPU cases run under the Triton interpreter at small shapes; CUDA cases use the presets' projections."""
 
@@ -31,7 +31,7 @@ def check(x, weight, bias, kernel=linear):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("leading, k, n", [((1,), 64, 48), ((3, 1), 96, 40), ((16,), 300, 33), ((2, 5), 600, 20)])
-def test_matches_nn_linear(request, leading, k, n, bias):
+def test_matches_nn_linear(request, poisoned_empty, leading, k, n, bias):
     check(*make_inputs(seed_of(request), leading, k, n, torch.float32, SMALL_DEVICE, bias))
 
 
