@@ -2,7 +2,8 @@
 sequence, at decode row counts. Each variant is captured in a CUDA graph and timed by replay
 (triton.testing.do_bench_cudagraph, median), as it runs inside a decode step: host launch overhead is out of the
 numbers, and inputs stay in L2 when they fit, as activations do inside a step (a case whose weights must come from
-HBM, as a layer's do, cycles through copies of them and says "compile": False, since its eager side is one op).
+HBM, as a layer's do, cycles through copies of them and says "compile": False, since its eager side is one op: its
+compile column repeats eager's and its row says compiled: false).
 Usage: python scripts/bench_fusions.py OUT.json [FUSION ...]"""
 
 import importlib
@@ -44,10 +45,14 @@ def _measure(name: str, rows: int, case, bandwidth: float) -> dict:
         if isinstance(case, Exception):
             raise case
         row["rel_err_vs_eager"] = _rel_err(case["fused"](), case["eager"]())
-        compiled = torch.compile(case["eager"]) if case.get("compile", True) else case["eager"]
-        compiled()
-        row.update(fused_ms=_median_ms(case["fused"]), eager_ms=_median_ms(case["eager"]),
-                   compile_ms=_median_ms(compiled), bytes=case["bytes"], flops=case["flops"])
+        row.update(fused_ms=_median_ms(case["fused"]), eager_ms=_median_ms(case["eager"]), bytes=case["bytes"],
+                   flops=case["flops"], compiled=case.get("compile", True))
+        if row["compiled"]:
+            compiled = torch.compile(case["eager"])
+            compiled()
+            row["compile_ms"] = _median_ms(compiled)
+        else:  # the eager side is one op, which torch.compile leaves as it is
+            row["compile_ms"] = row["eager_ms"]
         row["roof_fraction"] = case["bytes"] / (row["fused_ms"] * 1e-3) / bandwidth
         print(f"{name:28} {rows:4d} {row['fused_ms'] * 1e3:9.1f} {row['eager_ms'] * 1e3:9.1f} "
               f"{row['compile_ms'] * 1e3:10.1f} {row['eager_ms'] / row['fused_ms']:8.2f} "
