@@ -9,10 +9,13 @@ import sys
 import torch
 import triton
 
+from optiq.roofline import copy_bandwidth
+
 
 def main(name: str, out_path: str) -> None:
     module = importlib.import_module(f"fusions.{name}")
     heuristic = module.tile_config
+    bandwidth = copy_bandwidth(torch.device("cuda"))  # measured here, as bench_fusions.py does
     results = []
     for rows in (1, 16, 64):
         cases = module.benchmark_case(rows, torch.bfloat16, torch.device("cuda"))
@@ -21,7 +24,7 @@ def main(name: str, out_path: str) -> None:
                 module.tile_config = heuristic if config is None else (
                     lambda *shape, config=config: {**heuristic(*shape), **config})
                 ms = triton.testing.do_bench_cudagraph(case["fused"], rep=50, return_mode="median")
-                roof = case["bytes"] / (ms * 1e-3) / 4.25e12
+                roof = case["bytes"] / (ms * 1e-3) / bandwidth
                 results.append({"case": label, "rows": rows, "config": config or "heuristic", "us": ms * 1e3,
                                 "roof": roof})
                 print(f"{label:28} rows {rows:3d} {str(config or 'heuristic'):45} "
