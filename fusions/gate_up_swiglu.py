@@ -5,7 +5,6 @@ read them back. Here the gate and up weights are interleaved row by row once, at
 a weight tile of 2*BLOCK_N rows holds the gate and up rows of BLOCK_N output columns, so a single tl.dot gives both
 and the epilogue pairs them up in registers; the only tensor written is the [M, I] result. Row-by-row interleaving
 (rather than in blocks of BLOCK_N) keeps the weight layout independent of the tile size, so the tile can follow M.
-An RMSNorm in front (a pre-norm MLP) rides along: its weight folded into the GEMM's, 1/rms(x) from the K loop.
 """
 
 import os
@@ -14,16 +13,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from fusions.rmsnorm import rmsnorm
-
-
-def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] with its columns scaled by an RMSNorm's weight [K], rounded once: norm(x) @ weight.T is then
-    (x @ folded.T) / rms(x), so a GEMM can apply the norm without touching x (stream_dot's SQUARES)."""
-    if norm_weight.shape != weight.shape[-1:]:
-        raise ValueError(f"norm weight {tuple(norm_weight.shape)} is not [{weight.shape[-1]}]")
-    return (weight.float() * norm_weight.float()).to(weight.dtype)
 
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -44,32 +33,23 @@ def dot_accumulate(a, b, acc, FP32_DOT: tl.constexpr):
 
 @triton.jit
 def stream_dot(x_ptr, w_ptr, rows, w_rows, M, W_ROWS, K, stride_xm, stride_xk, stride_wn, stride_wk,
-               BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
-               SQUARES: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr):
     """x[rows] @ w[w_rows].T [BLOCK_M, BLOCK_W] over all of K, accumulated in fp32: the K loop of a decode GEMM,
-    whose cost is streaming w's rows (rows past M and w rows past W_ROWS read as zeros).
-
-    With SQUARES the rows' sums of squares of x come back as the second result: an RMSNorm in front of the GEMM
-    whose weight is folded into w (fold_norm_weight), for the caller to divide by the rms. It costs no pass of its own,
-    as every program reads all of x anyway, and x still enters the dot as loaded. Without SQUARES they are zeros."""
+    whose cost is streaming w's rows (rows past M and w rows past W_ROWS read as zeros)."""
     cols_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols_k[None, :] * stride_xk
     w_ptrs = w_ptr + w_rows[None, :].to(tl.int64) * stride_wn + cols_k[:, None] * stride_wk
     row_mask = rows[:, None] < M
     w_mask = w_rows[None, :] < W_ROWS
     acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = cols_k + k0 < K
         x = tl.load(x_ptrs, mask=row_mask & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=w_mask & k_mask[:, None], other=0.0)
-        if SQUARES:
-            x32 = x.to(tl.float32)
-            squares += tl.sum(x32 * x32, axis=1)
         acc = dot_accumulate(x, w, acc, FP32_DOT)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    return acc, squares
+    return acc
 
 
 def fp32_dot(dtype: torch.dtype) -> bool:
@@ -80,12 +60,11 @@ def fp32_dot(dtype: torch.dtype) -> bool:
 @triton.jit
 def _gate_up_gemm_swiglu_kernel(
     x_ptr, w_ptr, out_ptr,
-    M, N, K, eps,
+    M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, RMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """Output tile [BLOCK_M, BLOCK_N] of silu(gate) * up; its weight tile is 2 * BLOCK_N interleaved rows. With RMS,
-    of x over its rms (plus eps): an RMSNorm whose weight is folded into w.
+    """Output tile [BLOCK_M, BLOCK_N] of silu(gate) * up; its weight tile is 2 * BLOCK_N interleaved rows.
 
     Program ids run over M fastest, so the M tiles that share a weight tile run together and share it through L2.
     """
@@ -94,10 +73,8 @@ def _gate_up_gemm_swiglu_kernel(
     pid_n = tl.program_id(0) // num_m_tiles
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     w_rows = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-    acc, squares = stream_dot(x_ptr, w_ptr, rows, w_rows, M, 2 * N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                              BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP32_DOT, RMS)
-    if RMS:
-        acc *= tl.rsqrt(squares / K + eps)[:, None]
+    acc = stream_dot(x_ptr, w_ptr, rows, w_rows, M, 2 * N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                     BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP32_DOT)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     out = gate * tl.sigmoid(gate) * up
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,7 +97,7 @@ def _tile_config(rows: int, intermediate: int) -> dict:
 
 
 @torch.library.triton_op("optiq::gate_up_swiglu", mutates_args=())
-def _gate_up_swiglu_op(x: torch.Tensor, w_gate_up: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
+def _gate_up_swiglu_op(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
     hidden = x.shape[-1]
     intermediate = w_gate_up.shape[0] // 2
     x2d = x.reshape(-1, hidden)
@@ -130,28 +107,21 @@ def _gate_up_swiglu_op(x: torch.Tensor, w_gate_up: torch.Tensor, rms_eps: float 
     config = _tile_config(rows, intermediate)
     grid = (triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(intermediate, config["BLOCK_N"]),)
     torch.library.wrap_triton(_gate_up_gemm_swiglu_kernel)[grid](
-        x2d, w_gate_up, out2d, rows, intermediate, hidden, rms_eps or 0.0,
+        x2d, w_gate_up, out2d, rows, intermediate, hidden,
         *x2d.stride(), *w_gate_up.stride(), *out2d.stride(),
-        FP32_DOT=fp32_dot(x.dtype), RMS=rms_eps is not None, **config,
+        FP32_DOT=fp32_dot(x.dtype), **config,
     )
     return out
 
 
-def gate_up_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
-    """x [..., H], w_gate_up [2I, H] from interleave_gate_up -> silu(gate) * up [..., I], in x's dtype; with
-    ``rms_eps``, of RMSNorm(x) (x over sqrt(mean(x^2) + rms_eps)) times the norm's weight, folded into w_gate_up
-    beforehand (fold_norm_weight).
+def gate_up_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """x [..., H], w_gate_up [2I, H] from interleave_gate_up -> silu(gate) * up [..., I], in x's dtype.
 
     Accumulates and applies SwiGLU in fp32, rounding once at the end (eager rounds gate and up to the model dtype).
     """
     if w_gate_up.shape[0] % 2 or w_gate_up.shape[1] != x.shape[-1]:
         raise ValueError(f"w_gate_up {tuple(w_gate_up.shape)} is not [2I, {x.shape[-1]}]")
-    rows = x.numel() // x.shape[-1]
-    if rms_eps is not None and _tile_config(rows, w_gate_up.shape[0] // 2)["BLOCK_M"] > 16:
-        # The K loop's sums of squares came out wrong in 64- and 128-row tiles on the H200 (Triton 3.6; right in
-        # 16-row tiles and under the interpreter): more rows are normalised first, by the norm kernel, unit weight.
-        x, rms_eps = rmsnorm(x, torch.ones(x.shape[-1], dtype=x.dtype, device=x.device), rms_eps), None
-    return torch.ops.optiq.gate_up_swiglu(x, w_gate_up, rms_eps)
+    return torch.ops.optiq.gate_up_swiglu(x, w_gate_up)
 
 
 def gate_up_swiglu_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:

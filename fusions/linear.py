@@ -30,8 +30,8 @@ def _linear_kernel(
     """Output columns [BLOCK_N] of every row (M <= BLOCK_M), accumulated in fp32 over all of K."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc, _ = stream_dot(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                        BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, False)
+    acc = stream_dot(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                     BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),

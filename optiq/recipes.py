@@ -44,7 +44,6 @@ class Recipe:
     patch_with: str  # import path "module:attribute" of the factory that builds the replacement
     path: str
     patch_names: tuple[str, ...] = ()  # module_forward only: just the instances under these attribute names
-    supersedes: tuple[str, ...] = ()  # module_forward only: classes whose forward the replacement no longer calls
 
     def applies_to(self, model_type: str) -> bool:
         return "*" in self.architectures or model_type in self.architectures
@@ -57,12 +56,11 @@ class Recipe:
 
     @property
     def claims(self) -> tuple[tuple[str, str], ...]:
-        """What the recipe takes over, in its own order; two recipes that share a claim cannot both be applied (a
-        patch on a module that a superseding recipe no longer calls would be applied, validated and do nothing)."""
+        """What the recipe takes over, in its own order; two recipes that share a claim cannot both be applied."""
         if self.patch_kind == "attention_interface":
             return (("the model's attention implementation", ""),)
         kind = {"module_forward": "module class", "function": "function", "engine": "engine method"}[self.patch_kind]
-        return tuple((kind, target) for target in (*self.patch_target, *self.supersedes))
+        return tuple((kind, target) for target in self.patch_target)
 
 
 def builtin_dir() -> Path:
@@ -118,11 +116,9 @@ def parse_recipe(path: Path) -> Recipe:
         raise OptiqError(f"{path}: recipe field 'patch.kind' must be one of {', '.join(PATCH_KINDS)}, not '{kind}'")
     target_key = PATCH_KINDS[kind]
     target = _field(path, patch, target_key, list if target_key == "modules" else str, "patch.")
-    names, supersedes = (_field(path, patch, key, list, "patch.") if key in patch else ()
-                         for key in ("names", "supersedes"))
-    for key, value in (("names", names), ("supersedes", supersedes)):
-        if value and kind != "module_forward":
-            raise OptiqError(f"{path}: recipe field 'patch.{key}' belongs to a module_forward patch only, not '{kind}'")
+    names = _field(path, patch, "names", list, "patch.") if "names" in patch else ()
+    if names and kind != "module_forward":
+        raise OptiqError(f"{path}: recipe field 'patch.names' narrows a module_forward patch only, not '{kind}'")
     architectures = _field(path, data, "architectures", list)
     if not architectures:
         raise OptiqError(f"{path}: recipe field 'architectures' is empty (use [\"*\"] for every architecture)")
@@ -133,7 +129,7 @@ def parse_recipe(path: Path) -> Recipe:
         aten_ops=_field(path, fixes, "aten_ops", list, "fixes."), kernels_saved_per_layer=saved, patch_kind=kind,
         patch_target=target if isinstance(target, tuple) else (target,),
         patch_with=_import_path(path, _field(path, patch, "with", str, "patch."), "patch.with"), path=str(path),
-        patch_names=names, supersedes=supersedes)
+        patch_names=names)
 
 
 def load_catalog(extra_dirs: list[str] | tuple[str, ...] = ()) -> dict[str, Recipe]:

@@ -36,11 +36,11 @@ def bindings(model):
 
 @pytest.mark.parametrize("rival", ["attention_prologue", "qkv_proj"])
 def test_builtin_recipes_keep_logits_and_undo_restores_everything(tiny_model, rival):
-    """Every recipe at once (gate_up_swiglu and add_rmsnorm rather than swiglu or residual_mlp; of qkv_proj and
-    attention_prologue, which patch the same module, the one that is not ``rival``)."""
+    """Every recipe at once (gate_up_swiglu rather than swiglu; of qkv_proj and attention_prologue, which patch the
+    same module, the one that is not ``rival``)."""
     catalog = load_catalog()
     before, reference = bindings(tiny_model), decode(tiny_model)
-    patches = apply(tiny_model, [r for name, r in catalog.items() if name not in ("swiglu", "residual_mlp", rival)])
+    patches = apply(tiny_model, [r for name, r in catalog.items() if name not in ("swiglu", rival)])
     applied = {row["recipe"]: row for row in patches.summary() if row["status"] == "applied"}
     attention = {"qkv_proj"} if rival == "attention_prologue" else {"attention_prologue"}
     assert {"rmsnorm", "add_rmsnorm", "rope", "decode_attention", "greedy_sample", "decode_linear"} | attention <= \
@@ -97,34 +97,6 @@ def test_two_recipes_on_one_module_class_are_refused():
     with pytest.raises(OptiqError, match="'gate_up_swiglu' and 'swiglu' both patch the module class LlamaMLP"):
         apply(model, [catalog["gate_up_swiglu"], catalog["swiglu"]])
     assert patches_of(model) is None and "forward" not in vars(model.model.layers[0].mlp)
-
-
-@pytest.mark.parametrize("rival, place", [("gate_up_swiglu", "module class LlamaMLP"),
-                                          ("add_rmsnorm", "module class LlamaDecoderLayer")])
-def test_residual_mlp_takes_the_layer_and_its_mlp(rival, place):
-    """residual_mlp's layer forward no longer calls the MLP module, so a patch there would be dead: refused."""
-    from optiq.models import load_model
-
-    catalog = load_catalog()
-    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
-    with pytest.raises(OptiqError, match=f"'residual_mlp' and '{rival}' both patch the {place}"):
-        apply(model, [catalog["residual_mlp"], catalog[rival]])
-    assert patches_of(model) is None
-
-
-def test_residual_mlp_keeps_logits_with_the_attention_recipes():
-    from optiq.models import load_model
-
-    catalog = load_catalog()
-    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
-    reference = decode(model)
-    patches = apply(model, [catalog[n] for n in ("residual_mlp", "attention_prologue", "decode_attention",
-                                                 "decode_linear", "rmsnorm")])
-    assert patches.summary()[0] == {"recipe": "residual_mlp", "status": "applied", "modules": 2,
-                                    "sites": ["model.layers.0", "model.layers.1"]}
-    torch.testing.assert_close(decode(model, patches=patches), reference, rtol=1e-5, atol=1e-5)
-    unpatch(model)
-    assert all("forward" not in vars(m) for m in model.modules())
 
 
 @pytest.mark.parametrize("field, path", [("fusion", "fusions.rmsnorm:no_such_kernel"),

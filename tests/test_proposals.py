@@ -64,10 +64,9 @@ def test_analyze_prints_proposals_for_a_model_type():
     assert json.loads(result.stdout)["results"][0]["proposals"][0]["recipe"] == "decode_attention"
 
 
-def test_input_norms_stay_with_rmsnorm_when_residual_mlp_takes_the_post_attention_norm(catalog, tmp_path):
-    """residual_mlp fuses the post-attention norm with the MLP (and so outranks add_rmsnorm and gate_up_swiglu, which
-    patch what it patches), leaving the input norms to HF: a fresh profile (post_attn_norm is its own role) proposes
-    rmsnorm for those, and the two savings do not overlap."""
+def test_input_norms_stay_with_rmsnorm_when_add_rmsnorm_takes_the_post_attention_norm(catalog, tmp_path):
+    """add_rmsnorm fuses the post-attention norm only, so the input norms it leaves to HF stay proposable by rmsnorm:
+    a fresh profile (post_attn_norm is its own role) proposes both, and their savings do not overlap."""
     import torch
 
     from optiq.models import load_model
@@ -76,6 +75,51 @@ def test_input_norms_stay_with_rmsnorm_when_residual_mlp_takes_the_post_attentio
     model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
     kernels = weighted_kernels([profile_step(model, 2, 8, 32, "eager", tmp_path, 2)])
     proposals = {p.recipe: p for p in propose(catalog, kernels, "llama")}
-    assert {"rmsnorm", "residual_mlp"} <= set(proposals) and not {"add_rmsnorm", "gate_up_swiglu"} & set(proposals)
-    assert "in norm" in proposals["rmsnorm"].where and "in norm" not in proposals["residual_mlp"].where
+    assert {"rmsnorm", "add_rmsnorm"} <= set(proposals)
+    assert "in norm" in proposals["rmsnorm"].where and "in norm" not in proposals["add_rmsnorm"].where
     assert {"norm", "post_attn_norm"} <= set(kernels["role"])
+
+
+def test_the_router_is_proposed_once_although_two_recipes_patch_it(catalog, tmp_path):
+    """DeepSeek-V2's router is patched by moe_router and by precision_flip, which also takes its GEMM: the larger
+    is proposed, the other shares its claim and is dropped, and auto never picks both, whatever each concurrency
+    ranks first."""
+    import torch
+
+    from optiq.commands.apply_fusion import choose_recipes
+    from optiq.models import load_model
+    from optiq.profiling import profile_step
+
+    model = load_model("tiny-deepseek-v2", torch.float32, torch.device("cpu"))
+    kernels = weighted_kernels([profile_step(model, 2, 8, 32, "eager", tmp_path, 2)])
+    names = [p.recipe for p in propose(catalog, kernels, "deepseek_v2")]
+    assert "precision_flip" in names and "moe_router" not in names
+    both = {1: [_named("moe_router", 5.0)], 64: [_named("precision_flip", 9.0)]}
+    assert choose_recipes("auto", catalog, both, min_share=1.0) == ["precision_flip"]
+
+
+def test_moe_router_takes_the_routing_of_the_h200_moe_trace(catalog):
+    proposals = {p.recipe: p for p in propose(catalog, _kernels("qwen3-30b-a3b_eager_C1.json.gz"), "qwen3_moe")}
+    assert "routing in moe_router" in proposals["moe_router"].where and proposals["moe_router"].kernels_per_step > 48
+
+
+def _named(recipe, pct):
+    from optiq.proposals import Proposal
+
+    return Proposal(recipe, 0.0, pct, 0.0, "", "")
+
+
+def test_attention_prologue_outranks_qkv_proj_and_takes_the_qk_norms(catalog, tmp_path):
+    """On a fresh Qwen3-MoE profile the prologue covers the projections, q/k norms (their own role now), RoPE and the
+    cache write; qkv_proj patches the same module and is dropped, rmsnorm keeps the input norms."""
+    import torch
+
+    from optiq.models import load_model
+    from optiq.profiling import profile_step
+
+    model = load_model("tiny-qwen3-moe", torch.float32, torch.device("cpu"))
+    kernels = weighted_kernels([profile_step(model, 2, 8, 32, "eager", tmp_path, 2)])
+    proposals = {p.recipe: p for p in propose(catalog, kernels, "qwen3_moe")}
+    assert "attention_prologue" in proposals and "qkv_proj" not in proposals and "rope" not in proposals
+    assert "qk_norm" in set(kernels["role"])
+    assert "in norm" in proposals["rmsnorm"].where and "qk_norm" not in proposals["rmsnorm"].where

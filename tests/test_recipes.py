@@ -12,8 +12,7 @@ from optiq.errors import OptiqError
 from optiq.recipes import builtin_dir, load_catalog
 
 BUILTIN = {"decode_attention", "rmsnorm", "add_rmsnorm", "swiglu", "gate_up_swiglu", "qkv_proj", "rope", "greedy_sample",
-           "moe_experts", "mla_decode", "moe_router", "precision_flip", "attention_prologue", "decode_linear",
-           "residual_mlp"}
+           "moe_experts", "mla_decode", "moe_router", "precision_flip", "attention_prologue", "decode_linear"}
 
 
 def test_builtin_catalog_and_fusion_paths_resolve():
@@ -47,9 +46,7 @@ def _user_recipe(tmp_path, name="my_norm", **replace):
     ({"[patch]": "[patch"}, "not valid TOML"),
     ({"+names": "names = \"q_norm\"\n"}, "'patch.names' must be a list of strings"),
     ({'kind = "module_forward"': 'kind = "function"', 'modules = [': 'function = "rms_norm"\nmodules = [',
-      "+names": 'names = ["q_norm"]\n'}, "'patch.names' belongs to a module_forward patch only"),
-    ({'kind = "module_forward"': 'kind = "function"', 'modules = [': 'function = "rms_norm"\nmodules = [',
-      "+supersedes": 'supersedes = ["LlamaMLP"]\n'}, "'patch.supersedes' belongs to a module_forward patch only"),
+      "+names": 'names = ["q_norm"]\n'}, "'patch.names' narrows a module_forward patch only"),
 ])
 def test_malformed_recipe_names_file_field_and_why(tmp_path, change, message):
     path = _user_recipe(tmp_path, **change)

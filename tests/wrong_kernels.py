@@ -83,14 +83,6 @@ def linear_skips_last_k_column(x, weight, bias=None):
     return torch.nn.functional.linear(x[..., :-1], weight[:, :-1], bias)
 
 
-def mlp_block_norm_mean_off_by_one(h, rms_eps, w_gate_up, w_down):
-    """residual_mlp whose norm divides the sum of squares by K + 1 (an off-by-one count in the mean)."""
-    x = h.float()
-    normed = (x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) / (h.shape[-1] + 1) + rms_eps)).to(h.dtype)
-    gate, up = torch.nn.functional.linear(normed, w_gate_up).unflatten(-1, (-1, 2)).unbind(-1)
-    return h + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w_down)
-
-
 def raising_norm(x, weight, eps, offset=False, out=None):
     """A kernel that fails at launch."""
     raise RuntimeError("out of shared memory")

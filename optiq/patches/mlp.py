@@ -27,24 +27,14 @@ def swiglu_forward(mlp: torch.nn.Module, fusion):
 def gate_up_swiglu_forward(mlp: torch.nn.Module, fusion):
     """The fused gate/up GEMM with SwiGLU in its epilogue, then down_proj.
 
-    The fusion's weight layout is row-interleaved (interleaved_gate_up)."""
-    weight = interleaved_gate_up(mlp)
+    The fusion's weight layout is row-interleaved: row 2j is gate row j, row 2j + 1 is up row j (built here, once)."""
+    _check(mlp)
+    if mlp.gate_proj.bias is not None:
+        raise ValueError(f"{type(mlp).__name__} has biases; the gate/up GEMM fusion has none")
+    gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
+    weight = torch.stack((gate, up), dim=1).reshape(2 * gate.shape[0], gate.shape[1]).detach().contiguous()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return mlp.down_proj(fusion(x, weight))
 
     return forward
-
-
-def interleaved_gate_up(mlp: torch.nn.Module, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """The gate and up weights of a bias-free SwiGLU MLP as one [2I, H] matrix, row 2j gate row j and row 2j + 1 up
-    row j (built once, at patch time), for fused gate/up GEMMs; with the weight [H] of the RMSNorm in front folded
-    into its columns (rounded once), so that the GEMM need only divide by the rms."""
-    _check(mlp)
-    if mlp.gate_proj.bias is not None or mlp.down_proj.bias is not None:
-        raise ValueError(f"{type(mlp).__name__} has biases; the fused gate/up GEMM has none")
-    gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
-    weight = torch.stack((gate, up), dim=1).reshape(2 * gate.shape[0], gate.shape[1]).detach()
-    if norm_weight is not None:
-        weight = (weight.float() * norm_weight.detach().float()).to(gate.dtype)
-    return weight.contiguous()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fusions.attention_prologue import attention_prologue, attention_prologue_reference, benchmark_case
-from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of, within_one_bf16_rounding
+from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
@@ -98,3 +98,9 @@ def test_cuda_graph_and_compile_cuda():
                                     lambda: (inputs["x"].copy_(inputs["x"].roll(1, dims=0)), counter.add_(1)),
                                     same_compiled=within_one_bf16_rounding)
 
+
+def within_one_bf16_rounding(got, want):
+    """Inductor lowers the QKV F.linear of a 3-D input to another cuBLAS GEMM than eager's (on the H200 4 of 8192 q
+    elements differed by one rounding), so compiled the op is held to one bf16 rounding; replayed, to every bit."""
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=2**-7, atol=2**-7)
