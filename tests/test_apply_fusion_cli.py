@@ -47,6 +47,20 @@ def test_a_set_the_gate_rejects_exits_3_and_keeps_the_numbers(tmp_path):
     assert doc["after"]["rows"] == []
 
 
+def test_auto_chooses_again_without_a_recipe_the_gate_rolled_back(tmp_path):
+    """A wrong gate_up_swiglu (a user recipe of that name replaces the built-in) had kept its rival swiglu out, as
+    both patch the MLP: once the gate rolls it back, swiglu is chosen, gated and measured instead."""
+    user_recipe(tmp_path / "mine", "gate_up_swiglu", "gate_up_swiglu", fusion="wrong_kernels:gate_up_swapped")
+    result = CliRunner().invoke(cli, ["apply-fusion", "--recipes-dir", str(tmp_path / "mine"), *SMALL, "--runs-dir",
+                                      str(tmp_path / "runs")])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "complete" and doc["rolled_back"] == ["gate_up_swiglu"]
+    assert "swiglu" in doc["applied"] and "gate_up_swiglu" not in doc["applied"]
+    assert doc["gate"]["recipes"]["swiglu"]["passed"] and not doc["gate"]["recipes"]["gate_up_swiglu"]["passed"]
+    assert all(e["passed"] for e in doc["gate"]["end_to_end"])
+
+
 def test_unknown_recipe_is_a_one_line_error(tmp_path):
     result = CliRunner().invoke(cli, ["apply-fusion", "--recipes", "warp_drive", *SMALL, "--runs-dir", str(tmp_path)])
     assert result.exit_code == 1 and "unknown recipe(s) warp_drive" in result.stderr

@@ -83,6 +83,12 @@ def linear_skips_last_k_column(x, weight, bias=None):
     return torch.nn.functional.linear(x[..., :-1], weight[:, :-1], bias)
 
 
+def gate_up_swapped(x, w_gate_up):
+    """The gate/up GEMM that reads the interleaved rows the other way round: silu(up) * gate."""
+    gate, up = (torch.nn.functional.linear(x, w_gate_up[i::2]) for i in (0, 1))
+    return torch.nn.functional.silu(up) * gate
+
+
 def raising_norm(x, weight, eps, offset=False, out=None):
     """A kernel that fails at launch."""
     raise RuntimeError("out of shared memory")

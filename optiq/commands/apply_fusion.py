@@ -59,7 +59,8 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
     Each recipe must pass the validation gate: its fused path, run on the real inputs of a decode step, may be no
     less accurate against a float64 reference than the original path (by its tolerance class's factor), and the
     patched model's logits over --gate-steps teacher-forced steps must stay within the set's bound of an fp32
-    reference. A recipe that fails is rolled back and reported; the others stay. Writes report.json, report.md and
+    reference. A recipe that fails is rolled back and reported; the others stay (auto: and a rival it kept out, two
+    recipes that patch the same place, is chosen and gated in its stead). Writes report.json, report.md and
     report.html (plotly, self-contained) into a new run directory. Exit code 3 when the gate rejects every recipe.
     """
     device, mode = resolve_device_and_mode(device, mode)  # first: it picks Triton's interpreter on the CPU
@@ -69,7 +70,7 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
     from optiq.bench import Workload, compiled_forward, free_memory
     from optiq.commands.bench import environment, sweep_with_progress
     from optiq.models import default_dtype, default_preset, load_model, resolve_dtype
-    from optiq.patching import apply
+    from optiq.patching import apply, unpatch
     from optiq.profiling import profile_step
     from optiq.proposals import propose
     from optiq.recipes import load_catalog
@@ -113,6 +114,33 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
             free_memory()
         return timed
 
+    def proposals_without(rejected) -> dict[int, list]:
+        """The catalog's proposals per concurrency for the profiled ``kernels``, leaving out ``rejected`` recipes."""
+        candidates = {n: r for n, r in catalog.items() if n not in rejected}
+        return {c: propose(candidates, k, model.config.model_type) for c, k in kernels.items()}
+
+    def patch_and_gate(names: list[str]):
+        """Apply ``names`` and validate them; the report adds up the rounds' timings and gate verdicts."""
+        timings = report["timings"]
+        started = time.perf_counter()
+        patches = apply(model, [catalog[n] for n in names])
+        timings["patch_s"] = timings.get("patch_s", 0.0) + time.perf_counter() - started
+        report["not_applicable"].update(patches.not_applicable)
+        started = time.perf_counter()
+        with err.status(f"validating {', '.join(patches.applied)}"):
+            gate = validate(patches, concurrencies=tuple(concurrencies), steps=gate_steps,
+                            prompt_len=min(prompt_len, max_len - gate_steps - 1), mode=mode)
+        for key, seconds in (("gate_s", time.perf_counter() - started), ("gate_capture_s", gate.capture_seconds),
+                             ("gate_baselines_s", gate.baseline_seconds),
+                             ("gate_reference_s", gate.reference_seconds)):
+            timings[key] = timings.get(key, 0.0) + seconds
+        report["gate"]["recipes"].update({n: asdict(r) for n, r in gate.recipes.items()})
+        report["gate"]["end_to_end"] = [asdict(e) for e in gate.end_to_end]
+        report["rolled_back"] += gate.rolled_back
+        report["applied"] = list(patches.applied)
+        save()
+        return patches
+
     def measure(key: str, variants, engine_patches=None):
         def save_rows(rows):
             report[key]["rows"] = rows
@@ -127,7 +155,8 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
             model = load_model(model_spec, torch_dtype, device)
         bandwidth = copy_bandwidth(device)
         before = profile_all("attribution_before", "before")
-        proposals = {c: propose(catalog, weighted_kernels([t]), model.config.model_type) for c, t in before.items()}
+        kernels = {c: weighted_kernels([t]) for c, t in before.items()}
+        proposals = proposals_without(())
         report["proposals"] = {str(c): [asdict(p) for p in found] for c, found in proposals.items()}
         names = choose_recipes(requested, catalog, proposals, min_share)
         if not names:
@@ -137,22 +166,15 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
             variants.append((f"compile+{mode}", mode, compiled_forward(model)))
         measure("before", variants)
 
-        started = time.perf_counter()
-        patches = apply(model, [catalog[n] for n in names])
-        report["timings"]["patch_s"] = time.perf_counter() - started
-        report["not_applicable"] = dict(patches.not_applicable)
-        started = time.perf_counter()
-        with err.status(f"validating {', '.join(patches.applied)}"):
-            gate = validate(patches, concurrencies=tuple(concurrencies), steps=gate_steps,
-                            prompt_len=min(prompt_len, max_len - gate_steps - 1), mode=mode)
-        report["timings"]["gate_s"] = time.perf_counter() - started
-        report["timings"]["gate_capture_s"] = gate.capture_seconds
-        report["timings"]["gate_baselines_s"] = gate.baseline_seconds
-        report["timings"]["gate_reference_s"] = gate.reference_seconds
-        report["gate"] = {"recipes": {n: asdict(r) for n, r in gate.recipes.items()},
-                          "end_to_end": [asdict(e) for e in gate.end_to_end]}
-        report["rolled_back"], report["applied"] = gate.rolled_back, list(patches.applied)
-        save()
+        patches = patch_and_gate(names)
+        while requested == "auto" and report["rolled_back"]:
+            # a recipe the gate rolled back may have kept a rival out: choose again without it, if that adds one
+            again = choose_recipes(requested, catalog, proposals_without(report["rolled_back"]), min_share)
+            if not set(again) - set(names):
+                break
+            unpatch(model)
+            names = again
+            patches = patch_and_gate(names)
         if patches.applied:
             measure("after", [(mode, mode, None)], engine_patches=patches)
             report["timings"]["capture_s"] = sum(r.get("warmup_s", 0.0) for r in report["after"]["rows"])
