@@ -9,13 +9,20 @@
 #   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear) under fixed tile configs against its heuristic
 #   gpu-tests:F[,F]  the GPU tests of those fusions only
 # Every run directory comes back as MODEL-KIND.tgz (eager traces left out when the archive would pass 15 MB), packed
-# after each stage. An apply or profile stage stops after STAGE_S seconds (default 480; keep it under the device
-# call's own limit, or a call killed mid-stage brings back nothing of that stage: session 4 lost a MoE run so).
+# after each stage. An apply or profile stage stops after STAGE_S seconds (default 480), and every stage by the time
+# the call has left: CALL_S (default 570) is the device call's own limit less a margin for the last archive, so a
+# stage that cannot finish is stopped and packed rather than lost with the call (sessions 4 and 5 lost runs so).
 set -uo pipefail
 STAGE_S=${STAGE_S:-480}
+CALL_S=${CALL_S:-570}
+limit() {  # seconds a stage may run: its own limit, or what the call has left if that is less
+  local left=$(( CALL_S - SECONDS ))
+  echo $(( left < $1 ? left : $1 ))
+}
 archive() {  # what optiq wrote so far is kept: a stopped run still has its report.json and traces up to then
   cd "$OUT/runs" 2>/dev/null || return 0
   for run in *; do
+    [ -e "$run" ] || continue  # nothing written yet (the pattern stayed as it is)
     tar -czf "../$run.tgz" "$run"
     [ "$(stat -c %s "../$run.tgz")" -lt 15000000 ] || tar -czf "../$run.tgz" --exclude='*eager*' "$run"
     rm -rf "$run"
@@ -28,22 +35,27 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
   | tee -a $OUT/log.txt
 for stage in "$@"; do
+  if (( $(limit 300) < 30 )); then
+    echo "=== $stage skipped: the call has $(limit 300) s left" | tee -a $OUT/log.txt
+    continue
+  fi
   echo "=== $stage $(date +%T)" | tee -a $OUT/log.txt
   case $stage in
-    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -k "not _cpu" tests/fusions \
+    tests) timeout "$(limit 300)" python3 -m pytest -q -p no:cacheprovider -k "not _cpu" tests/fusions \
              tests/test_validation.py::test_graph_mode_gate_checks_the_captured_patched_model 2>&1 | tee -a $OUT/log.txt ;;
-    apply:*) timeout "$STAGE_S" python3 -m optiq apply-fusion --model "${stage#apply:}" --recipes auto --compare compile \
-               --runs-dir "$OUT/runs/${stage#apply:}-apply" 2>&1 | tee -a $OUT/log.txt ;;
+    apply:*) timeout "$(limit "$STAGE_S")" python3 -m optiq apply-fusion --model "${stage#apply:}" --recipes auto \
+               --compare compile --runs-dir "$OUT/runs/${stage#apply:}-apply" 2>&1 | tee -a $OUT/log.txt ;;
     rope) python3 scripts/rope_rounding.py 2>&1 | tee -a $OUT/log.txt ;;
-    tiles:*) timeout 300 python3 scripts/tiles.py "${stage#tiles:}" "$OUT/tiles_${stage#tiles:}.json" 2>&1 \
+    tiles:*) timeout "$(limit 300)" python3 scripts/tiles.py "${stage#tiles:}" "$OUT/tiles_${stage#tiles:}.json" 2>&1 \
                | tee -a $OUT/log.txt ;;
     gpu-tests:*) names=${stage#gpu-tests:}
-                 timeout 300 python3 -m pytest -q -p no:cacheprovider -k "not _cpu" \
+                 timeout "$(limit 300)" python3 -m pytest -q -p no:cacheprovider -k "not _cpu" \
                    $(printf 'tests/fusions/test_%s.py ' ${names//,/ }) 2>&1 | grep -v DEBUG | tee -a $OUT/log.txt ;;
     bench:*) names=${stage#bench:}
-             timeout 300 python3 scripts/bench_fusions.py "$OUT/fusions.json" ${names//,/ } 2>&1 | tee -a $OUT/log.txt ;;
-    profile:*) timeout "$STAGE_S" python3 -m optiq profile --model "${stage#profile:}" --concurrency 64 --top 1 \
-                 --runs-dir "$OUT/runs/${stage#profile:}-profile" 2>&1 | tee -a $OUT/log.txt ;;
+             timeout "$(limit 300)" python3 scripts/bench_fusions.py "$OUT/fusions.json" ${names//,/ } 2>&1 \
+               | tee -a $OUT/log.txt ;;
+    profile:*) timeout "$(limit "$STAGE_S")" python3 -m optiq profile --model "${stage#profile:}" --concurrency 64 \
+                 --top 1 --runs-dir "$OUT/runs/${stage#profile:}-profile" 2>&1 | tee -a $OUT/log.txt ;;
   esac
   archive
 done
