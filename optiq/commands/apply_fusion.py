@@ -120,7 +120,8 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
         return {c: propose(candidates, k, model.config.model_type) for c, k in kernels.items()}
 
     def patch_and_gate(names: list[str]):
-        """Apply ``names`` and validate them; the report adds up the rounds' timings and gate verdicts."""
+        """Apply ``names`` and validate them; returns the patches and what this round rolled back. The report adds up
+        the rounds' timings and gate verdicts."""
         timings = report["timings"]
         started = time.perf_counter()
         patches = apply(model, [catalog[n] for n in names])
@@ -139,7 +140,7 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
         report["rolled_back"] += gate.rolled_back
         report["applied"] = list(patches.applied)
         save()
-        return patches
+        return patches, gate.rolled_back
 
     def measure(key: str, variants, engine_patches=None):
         def save_rows(rows):
@@ -166,15 +167,15 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
             variants.append((f"compile+{mode}", mode, compiled_forward(model)))
         measure("before", variants)
 
-        patches = patch_and_gate(names)
-        while requested == "auto" and report["rolled_back"]:
+        patches, rolled_back = patch_and_gate(names)
+        while requested == "auto" and rolled_back:
             # a recipe the gate rolled back may have kept a rival out: choose again without it, if that adds one
             again = choose_recipes(requested, catalog, proposals_without(report["rolled_back"]), min_share)
             if not set(again) - set(names):
                 break
             unpatch(model)
             names = again
-            patches = patch_and_gate(names)
+            patches, rolled_back = patch_and_gate(names)
         if patches.applied:
             measure("after", [(mode, mode, None)], engine_patches=patches)
             report["timings"]["capture_s"] = sum(r.get("warmup_s", 0.0) for r in report["after"]["rows"])
