@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Device calls on the H200 (carry .whl). Usage: scripts/h200.sh STAGE...
 #   tests          the kernels' GPU tests (preset shapes, CUDA-graph replay, torch.compile) and the graph-mode gate
-#   apply:MODEL    optiq apply-fusion --model MODEL --recipes auto --compare compile on workload W1
+#   apply:MODEL    optiq apply-fusion --model MODEL --recipes auto --compare $COMPARE on workload W1 (COMPARE
+#                  defaults to compile; COMPARE= leaves it out, for a model whose compile warm-up fills a call)
 #                  (C=1,16,64, prompt 512, 128 new tokens, cache 1024, 3 repeats)
 #   profile:MODEL  optiq profile --model MODEL --concurrency 64
 #   rope           scripts/rope_rounding.py: which rounding the rope kernel does on the GPU
 #   bench:F[,F]    scripts/bench_fusions.py for those fusions (e.g. bench:moe_experts,mla_decode) into $OUT
 #   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear) under fixed tile configs against its heuristic
 #   gpu-tests:F[,F]  the GPU tests of those fusions only
+#   pytest:T[,T]   those test files (paths under tests/), GPU tests included
 # Every run directory comes back as MODEL-KIND.tgz (eager traces left out when the archive would pass 15 MB), packed
 # after each stage. An apply or profile stage stops after STAGE_S seconds (default 480), and every stage by the time
 # the call has left: CALL_S (default 570) is the device call's own limit less a margin for the last archive, so a
 # stage that cannot finish is stopped and packed rather than lost with the call (sessions 4 and 5 lost runs so).
 set -uo pipefail
 STAGE_S=${STAGE_S:-480}
+COMPARE=${COMPARE-compile}
 CALL_S=${CALL_S:-570}
 limit() {  # seconds a stage may run: its own limit, or what the call has left if that is less
   local left=$(( CALL_S - SECONDS ))
@@ -44,13 +47,15 @@ for stage in "$@"; do
     tests) timeout "$(limit 300)" python3 -m pytest -q -p no:cacheprovider -k "not _cpu" tests/fusions \
              tests/test_validation.py::test_graph_mode_gate_checks_the_captured_patched_model 2>&1 | tee -a $OUT/log.txt ;;
     apply:*) timeout "$(limit "$STAGE_S")" python3 -m optiq apply-fusion --model "${stage#apply:}" --recipes auto \
-               --compare compile --runs-dir "$OUT/runs/${stage#apply:}-apply" 2>&1 | tee -a $OUT/log.txt ;;
+               ${COMPARE:+--compare "$COMPARE"} --runs-dir "$OUT/runs/${stage#apply:}-apply" 2>&1 | tee -a $OUT/log.txt ;;
     rope) python3 scripts/rope_rounding.py 2>&1 | tee -a $OUT/log.txt ;;
     tiles:*) timeout "$(limit 300)" python3 scripts/tiles.py "${stage#tiles:}" "$OUT/tiles_${stage#tiles:}.json" 2>&1 \
                | tee -a $OUT/log.txt ;;
     gpu-tests:*) names=${stage#gpu-tests:}
                  timeout "$(limit 300)" python3 -m pytest -q -p no:cacheprovider -k "not _cpu" \
                    $(printf 'tests/fusions/test_%s.py ' ${names//,/ }) 2>&1 | grep -v DEBUG | tee -a $OUT/log.txt ;;
+    pytest:*) files=${stage#pytest:}
+              timeout "$(limit 300)" python3 -m pytest -q -p no:cacheprovider ${files//,/ } 2>&1 | tee -a $OUT/log.txt ;;
     bench:*) names=${stage#bench:}
              timeout "$(limit 300)" python3 scripts/bench_fusions.py "$OUT/fusions.json" ${names//,/ } 2>&1 \
                | tee -a $OUT/log.txt ;;
