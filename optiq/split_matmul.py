@@ -10,6 +10,14 @@ of which was fp32 SIMT GEMMs in the prefill of 64 x 512 tokens.
 """
 
 import torch
+import torch.nn.functional as F
+
+# Where the split pays (H200, the gate's fp32 reference decode of 64 x 512 tokens + 64 steps, eager): always in the
+# prefill (tensor cores against SIMT cores); in decode steps only for large weights, where casting the weight to fp32
+# on every call costs more than the split's extra launches (llama-3.1-8b's steps 5.1 s split vs 7.0 s cast;
+# qwen3-0.6b's, whose weights are 1-3M elements but for the lm_head, 4.5 s split vs 2.8 s cast).
+SPLIT_ROWS = 256
+SPLIT_WEIGHT = 1 << 24  # elements
 
 
 def bf16_parts(x: torch.Tensor) -> torch.Tensor:
@@ -33,3 +41,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         out += bias.float()
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` of an fp32 ``x`` and a bf16 CUDA ``weight`` in fp32 by the faster path for the shape: the split
+    product for many rows or a large weight (SPLIT_ROWS, SPLIT_WEIGHT), else the weight cast to fp32."""
+    if x.numel() // x.shape[-1] >= SPLIT_ROWS or weight.numel() >= SPLIT_WEIGHT:
+        return linear(x, weight, bias)
+    return F.linear(x, weight.float(), None if bias is None else bias.float())

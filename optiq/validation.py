@@ -289,8 +289,8 @@ def computing_in(model: torch.nn.Module, dtype: torch.dtype):
     """The model computes in ``dtype`` while its weights stay stored in their own: each module's parameters are cast
     when it starts and put back when it ends, so one module's cast weights are alive at a time (an fp32 copy of a
     30B-parameter bf16 model does not fit beside it on one GPU). Computing in fp32 on a GPU, linear layers with bf16
-    weights keep them and take their products from bf16 parts of the activations on the tensor cores
-    (``split_matmul``: a few millionths from the exact product, a thousandth of a bf16 product's error)."""
+    weights keep them and, where it is faster, take their products from bf16 parts of the activations on the tensor
+    cores (``split_matmul``: a few millionths from the exact product, a thousandth of a bf16 product's error)."""
     stored: dict[torch.nn.Parameter, torch.Tensor] = {}
 
     def cast(module, *_):
@@ -306,7 +306,7 @@ def computing_in(model: torch.nn.Module, dtype: torch.dtype):
     owners = [m for m in model.modules() if m not in split and next(m.parameters(recurse=False), None) is not None]
     handles = [h for m in owners for h in (m.register_forward_pre_hook(cast), m.register_forward_hook(restore))]
     for module in split:
-        module.forward = partial(split_matmul.linear, weight=module.weight, bias=module.bias)
+        module.forward = partial(split_matmul.fp32_linear, weight=module.weight, bias=module.bias)
     try:
         yield
     finally:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from optiq.models import load_model
-from optiq.split_matmul import bf16_parts, linear
-from optiq.validation import _decode
+from optiq.split_matmul import SPLIT_ROWS, SPLIT_WEIGHT, bf16_parts, fp32_linear, linear
+from optiq.validation import _decode, computing_in
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.mm's out_dtype needs CUDA")
 
@@ -49,12 +49,26 @@ def test_split_linear_is_within_a_few_millionths_of_the_exact_product(rows):
     assert error(torch.nn.functional.linear(x.bfloat16(), weight, bias)) > 100 * split
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_few_rows_through_a_small_weight_take_the_fp32_cast(device):
+    """In a small model's decode step the split's extra launches cost more than casting the weight."""
+    x = _activations(8, 256, seed=1, device=device).clamp(-1e4, 1e4)
+    weight = torch.randn(512, 256, dtype=torch.bfloat16, device=device)
+    assert 8 < SPLIT_ROWS and weight.numel() < SPLIT_WEIGHT
+    assert torch.equal(fp32_linear(x, weight), torch.nn.functional.linear(x, weight.float()))
+
+
+@cuda
+def test_prefill_rows_take_the_split_product():
+    x = torch.randn(SPLIT_ROWS, 256, device="cuda")
+    weight = torch.randn(512, 256, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(fp32_linear(x, weight), linear(x, weight))
+
+
 @cuda
 def test_computing_in_fp32_on_a_gpu_takes_linear_layers_from_bf16_parts():
-    from optiq.validation import computing_in
-
     model = load_model("tiny-llama", torch.bfloat16, torch.device("cuda"))
-    prompt = torch.randint(0, model.config.vocab_size, (4, 6), device="cuda",
+    prompt = torch.randint(0, model.config.vocab_size, (4, SPLIT_ROWS // 4), device="cuda",  # a split prefill
                            generator=torch.Generator("cuda").manual_seed(1))
     with torch.inference_mode():
         want, want_picks = _decode(copy.deepcopy(model).float(), prompt, 4, None, [], [])
