@@ -52,7 +52,7 @@ def test_split_linear_is_within_a_few_millionths_of_the_exact_product(rows):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 def test_few_rows_through_a_small_weight_take_the_fp32_cast(device):
     """In a small model's decode step the split's extra launches cost more than casting the weight."""
-    x = _activations(8, 256, seed=1, device=device).clamp(-1e4, 1e4)
+    x = _activations(8, 256, seed=1, device=device)
     weight = torch.randn(512, 256, dtype=torch.bfloat16, device=device)
     assert 8 < SPLIT_ROWS and weight.numel() < SPLIT_WEIGHT
     assert torch.equal(fp32_linear(x, weight), torch.nn.functional.linear(x, weight.float()))
