@@ -37,6 +37,14 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 OPTIQ_CACHE_DIR=/tmp/optiq-c
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee -a $OUT/log.txt
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
   | tee -a $OUT/log.txt
+# Every dependency in pyproject.toml must import before any stage runs (session 6 lost a call to a missing wheel).
+python3 - <<'PY' 2>&1 | tee -a $OUT/log.txt || exit
+import importlib.util, re, sys, tomllib
+names = [re.split(r"[<>=!~ \[]", d)[0] for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]]
+missing = [n for n in names if importlib.util.find_spec(n) is None]
+sys.exit(f"missing on the device (add their wheels to .whl): {', '.join(missing)}" if missing else 0)
+PY
+failed=()
 for stage in "$@"; do
   if (( $(limit 300) < 30 )); then
     echo "=== $stage skipped: the call has $(limit 300) s left" | tee -a $OUT/log.txt
@@ -62,6 +70,8 @@ for stage in "$@"; do
     profile:*) timeout "$(limit "$STAGE_S")" python3 -m optiq profile --model "${stage#profile:}" --concurrency 64 \
                  --top 1 --runs-dir "$OUT/runs/${stage#profile:}-profile" 2>&1 | tee -a $OUT/log.txt ;;
   esac
+  (( $? == 0 )) || failed+=("$stage")
   archive
 done
 rmdir "$OUT/runs" 2>/dev/null || true
+(( ${#failed[@]} == 0 )) || { echo "=== failed: ${failed[*]}" | tee -a $OUT/log.txt; exit 1; }
