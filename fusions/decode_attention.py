@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusions.pdl import launch_options, wait_for_predecessor
+
 LOG2E = 1.4426950408889634
 
 
@@ -64,12 +66,14 @@ def _decode_attention_split_kernel(
     num_kv_heads, group_size, head_dim, split_len, num_splits,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One (sequence, kv head, split): online softmax over the split's valid positions for the whole query group.
 
     Writes the split's normalised output and its log2-sum-exp2 (-inf when the split starts past the sequence's
     length: the loop then runs zero times and the combine gives the split zero weight).
     """
+    wait_for_predecessor(USE_PDL)
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     batch = (pid_bh // num_kv_heads).to(tl.int64)
@@ -123,8 +127,10 @@ def _decode_attention_split_kernel(
 def _decode_attention_combine_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr, head_dim, num_splits,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One (sequence, query head): weight each split's output by exp2(lse - max lse); empty splits weigh zero."""
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
     cols = tl.arange(0, BLOCK_D)
@@ -204,12 +210,12 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         num_kv_heads, group_size, head_dim, split_len, splits,
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST_DOT=interpreted, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
     )
     torch.library.wrap_triton(_decode_attention_combine_kernel)[(batch * num_q_heads,)](
         partial_out, partial_lse, out, head_dim, splits,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=4, **launch_options(q.device),
     )
     return out
 

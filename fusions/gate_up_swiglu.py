@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fusions.pdl import launch_options, wait_for_predecessor
+
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     """[I, H] gate and up weights (nn.Linear layout) -> [2I, H] with row 2j = gate row j, row 2j + 1 = up row j."""
@@ -63,11 +65,13 @@ def _gate_up_gemm_swiglu_kernel(
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Output tile [BLOCK_M, BLOCK_N] of silu(gate) * up; its weight tile is 2 * BLOCK_N interleaved rows.
 
     Program ids run over M fastest, so the M tiles that share a weight tile run together and share it through L2.
     """
+    wait_for_predecessor(USE_PDL)
     num_m_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = tl.program_id(0) % num_m_tiles
     pid_n = tl.program_id(0) // num_m_tiles
@@ -109,7 +113,7 @@ def _gate_up_swiglu_op(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor
     torch.library.wrap_triton(_gate_up_gemm_swiglu_kernel)[grid](
         x2d, w_gate_up, out2d, rows, intermediate, hidden,
         *x2d.stride(), *w_gate_up.stride(), *out2d.stride(),
-        FP32_DOT=fp32_dot(x.dtype), **config,
+        FP32_DOT=fp32_dot(x.dtype), **config, **launch_options(x.device),
     )
     return out
 

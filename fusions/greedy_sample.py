@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from fusions.pdl import launch_options, wait_for_predecessor
 from fusions.rmsnorm import as_rows
 
 TILES_PER_ROW = 32  # vocab 128256: 32 programs at rows = 1, more than 132 from rows = 5 on
@@ -41,8 +42,10 @@ def _first_argmax(values, indices):
 
 @triton.jit
 def _tile_argmax_kernel(
-    logits_ptr, logits_row_stride, vocab, partial_value_ptr, partial_index_ptr, num_tiles, TILE: tl.constexpr
+    logits_ptr, logits_row_stride, vocab, partial_value_ptr, partial_index_ptr, num_tiles, TILE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     cols = tile * TILE + tl.arange(0, TILE)
@@ -55,7 +58,9 @@ def _tile_argmax_kernel(
 
 
 @triton.jit
-def _row_argmax_kernel(partial_value_ptr, partial_index_ptr, num_tiles, out_ptr, TILES: tl.constexpr):
+def _row_argmax_kernel(partial_value_ptr, partial_index_ptr, num_tiles, out_ptr, TILES: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     tiles = tl.arange(0, TILES)
     mask = tiles < num_tiles
@@ -78,11 +83,13 @@ def _greedy_sample_op(logits: torch.Tensor, out: torch.Tensor) -> None:
     partial_index = torch.empty((rows.shape[0], num_tiles), dtype=torch.int32, device=logits.device)
     warps = min(8, max(1, tile // 512))  # 16 entries per thread once the tile is large enough
     wrap_triton(_tile_argmax_kernel)[(rows.shape[0], num_tiles)](
-        rows, rows.stride(0), vocab, partial_value, partial_index, num_tiles, TILE=tile, num_warps=warps
+        rows, rows.stride(0), vocab, partial_value, partial_index, num_tiles, TILE=tile, num_warps=warps,
+        **launch_options(rows.device),
     )
     tiles_block = triton.next_power_of_2(num_tiles)
     wrap_triton(_row_argmax_kernel)[(rows.shape[0],)](
-        partial_value, partial_index, num_tiles, out_rows, TILES=tiles_block, num_warps=1
+        partial_value, partial_index, num_tiles, out_rows, TILES=tiles_block, num_warps=1,
+        **launch_options(rows.device),
     )
 
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from fusions.gate_up_swiglu import fp32_dot, stream_dot
+from fusions.pdl import launch_options, wait_for_predecessor
 
 DECODE_ROWS = 16  # rows up to which the streaming kernel is used
 BLOCK_M = 16  # the smallest M of a tensor-core dot
@@ -26,8 +27,10 @@ def _linear_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Output columns [BLOCK_N] of every row (M <= BLOCK_M), accumulated in fp32 over all of K."""
+    wait_for_predecessor(USE_PDL)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = stream_dot(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
@@ -57,7 +60,7 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     torch.library.wrap_triton(_linear_kernel)[(triton.cdiv(n, config["BLOCK_N"]),)](
         x2d, weight, bias if bias is not None else weight, out2d, rows, n, k,
         *x2d.stride(), *weight.stride(), *out2d.stride(),
-        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, FP32_DOT=fp32_dot(x.dtype), **config,
+        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, FP32_DOT=fp32_dot(x.dtype), **config, **launch_options(x.device),
     )
     return out
 

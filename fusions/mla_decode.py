@@ -21,6 +21,7 @@ import triton.language as tl
 
 from fusions.decode_attention import (LOG2E, _decode_attention_combine_kernel, _launch_config, online_softmax_step,
                                       split_bounds, split_result)
+from fusions.pdl import launch_options, wait_for_predecessor
 
 
 @triton.jit
@@ -31,10 +32,12 @@ def _mla_split_kernel(
     num_heads, latent, rope, split_len, num_splits,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One (sequence, split): online softmax of every head over the split's filled positions.
 
     Writes each head's normalised latent output and log2-sum-exp2 (-inf for a split past the sequence's length)."""
+    wait_for_predecessor(USE_PDL)
     batch = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     start, end = split_bounds(lengths_ptr, batch, split, split_len)
@@ -106,11 +109,11 @@ def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, c_cache: torch.Tenso
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=block_n, BLOCK_R=block_r,
         BLOCK_P=max(16, triton.next_power_of_2(rope)),
         UPCAST_DOT=interpreted, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
-        num_warps=8, num_stages=2,
+        num_warps=8, num_stages=2, **launch_options(q_lat.device),
     )
     torch.library.wrap_triton(_decode_attention_combine_kernel)[(batch * num_heads,)](
         partial_out, partial_lse, out, latent, splits,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_r, num_warps=4,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_r, num_warps=4, **launch_options(q_lat.device),
     )
     return out
 

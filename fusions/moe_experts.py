@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from fusions.gate_up_swiglu import dot_accumulate, fp32_dot
+from fusions.pdl import launch_options, wait_for_predecessor
 
 
 @triton.jit
@@ -50,8 +51,10 @@ def _experts_gate_up_kernel(
     stride_xm, stride_we, stride_wn, stride_wk, stride_am,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """act[packed rows, BLOCK_N columns] = silu(x @ gate.T) * (x @ up.T) for one expert's tile of slots."""
+    wait_for_predecessor(USE_PDL)
     expert, rows, row_mask = _expert_tile(tl.program_id(0), tile_end_ptr, expert_start_ptr, counts_ptr, num_experts,
                                           BLOCK_M, BLOCK_E)
     tokens = tl.load(order_ptr + rows, mask=row_mask, other=0) // top_k
@@ -86,8 +89,10 @@ def _experts_down_kernel(
     stride_am, stride_we, stride_wn, stride_wk, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[slot, BLOCK_N columns] = routing weight * (act @ down.T) for one expert's tile of packed slots."""
+    wait_for_predecessor(USE_PDL)
     expert, rows, row_mask = _expert_tile(tl.program_id(0), tile_end_ptr, expert_start_ptr, counts_ptr, num_experts,
                                           BLOCK_M, BLOCK_E)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,8 +117,10 @@ def _experts_down_kernel(
 
 
 @triton.jit
-def _experts_sum_choices_kernel(per_slot_ptr, out_ptr, top_k, N, stride_s, stride_o, BLOCK_N: tl.constexpr):
+def _experts_sum_choices_kernel(per_slot_ptr, out_ptr, top_k, N, stride_s, stride_o, BLOCK_N: tl.constexpr,
+                                USE_PDL: tl.constexpr):
     """out[token, BLOCK_N columns] = sum over its k slots, in choice order, rounded once."""
+    wait_for_predecessor(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -141,9 +148,11 @@ def tile_config(slots: int, experts: int, n: int) -> dict:
 
 @triton.jit
 def _experts_pack_kernel(ids_ptr, order_ptr, counts_ptr, start_ptr, tile_end_ptr, S, E,
-                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """One program: per-expert counts, starts and tile ends, and order[start[e] + rank] = slot for each slot, rank
     being how many earlier slots chose the same expert. Slots are visited CHUNK at a time as one-hot rows."""
+    wait_for_predecessor(USE_PDL)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for s0 in range(0, S, CHUNK):
@@ -174,6 +183,7 @@ def pack_by_expert(top_k_index: torch.Tensor, num_experts: int, block_m: int):
     torch.library.wrap_triton(_experts_pack_kernel)[(1,)](
         flat, order, counts, expert_start, tile_end, flat.numel(), num_experts,
         BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=32, num_warps=4,
+        **launch_options(flat.device),
     )
     return order, counts, expert_start, tile_end
 
@@ -201,15 +211,15 @@ def _moe_experts_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
     torch.library.wrap_triton(_experts_gate_up_kernel)[(max_tiles, triton.cdiv(inter, gate_up["BLOCK_N"]))](
         x, order, tile_end, expert_start, counts, w_gate_up, act,
         top_k, num_experts, inter, hidden,
-        x.stride(0), *w_gate_up.stride(), act.stride(0), **common, **gate_up,
+        x.stride(0), *w_gate_up.stride(), act.stride(0), **common, **gate_up, **launch_options(x.device),
     )
     torch.library.wrap_triton(_experts_down_kernel)[(max_tiles, triton.cdiv(hidden, down["BLOCK_N"]))](
         act, order, routing, tile_end, expert_start, counts, w_down, per_slot,
         num_experts, hidden, inter,
-        act.stride(0), *w_down.stride(), per_slot.stride(0), **common, **down,
+        act.stride(0), *w_down.stride(), per_slot.stride(0), **common, **down, **launch_options(x.device),
     )
     torch.library.wrap_triton(_experts_sum_choices_kernel)[(tokens, triton.cdiv(hidden, 256))](
-        per_slot, out, top_k, hidden, per_slot.stride(0), out.stride(0), BLOCK_N=256,
+        per_slot, out, top_k, hidden, per_slot.stride(0), out.stride(0), BLOCK_N=256, **launch_options(x.device),
     )
     return out
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from fusions.gate_up_swiglu import dot_accumulate, fp32_dot
+from fusions.pdl import launch_options, wait_for_predecessor
 
 BLOCK_T = 16  # tokens per program: the smallest M tile of tl.dot
 BLOCK_K = 64
@@ -34,9 +35,11 @@ def _moe_router_gemm_kernel(
     h_ptr, w_ptr, partial_ptr, T, E, K, stride_h, stride_w,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """partial[split, BLOCK_T tokens, BLOCK_E experts] = h @ w.T over the split's SPLIT_K columns (fp32). The logits
     GEMM is split over K so that its few hundred KB of weights stream through many SMs instead of one."""
+    wait_for_predecessor(USE_PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     experts = tl.program_id(2) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -60,9 +63,11 @@ def _moe_routing_kernel(
     src_ptr, logits_ptr, weights_ptr, index_ptr, T, E, splits, scale, stride_s,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, FROM_SPLITS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """weights, index [BLOCK_T, TOP_K] of BLOCK_T tokens; src is the logits [T, E], or (FROM_SPLITS) the router
     GEMM's partial sums [splits, T, E], added in split order and stored as the logits (fp32)."""
+    wait_for_predecessor(USE_PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     row_mask = rows < T
@@ -111,6 +116,7 @@ def _route(src: torch.Tensor, logits: torch.Tensor | None, splits: int, top_k: i
         src, logits if logits is not None else src, weights, index, tokens, experts, splits, scale, src.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, FROM_SPLITS=logits is not None, BLOCK_T=BLOCK_T,
         BLOCK_E=triton.next_power_of_2(experts), BLOCK_S=triton.next_power_of_2(top_k), num_warps=4,
+        **launch_options(src.device),
     )
     return weights, index
 
@@ -133,7 +139,7 @@ def _moe_route_gemm_op(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, r
                                                         triton.cdiv(experts, block_e))](
         hidden, weight, partial, tokens, experts, hidden_size, hidden.stride(0), weight.stride(0),
         BLOCK_T=BLOCK_T, BLOCK_E=block_e, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
-        FP32_DOT=fp32_dot(hidden.dtype), num_warps=4,
+        FP32_DOT=fp32_dot(hidden.dtype), num_warps=4, **launch_options(hidden.device),
     )
     logits = torch.empty((tokens, experts), dtype=torch.float32, device=hidden.device)
     weights, index = _route(partial, logits, splits, top_k, renormalize, scale, out_dtype)

@@ -11,6 +11,8 @@ The output is in x's dtype. The kernel also serves add_rmsnorm (HAS_RESIDUAL), s
 import torch
 import triton
 import triton.language as tl
+
+from fusions.pdl import launch_options, wait_for_predecessor
 from torch.library import triton_op, wrap_triton
 
 LARGEST_HIDDEN = 65536  # a row must fit in one program's registers
@@ -32,7 +34,9 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -88,7 +92,7 @@ def launch_rmsnorm(x, residual, weight, eps, offset, out, new_residual):
         HAS_RESIDUAL=residual is not None,
         OFFSET=offset,
         BLOCK=block,
-        num_warps=num_warps,
+        num_warps=num_warps, **launch_options(x.device),
     )
 
 

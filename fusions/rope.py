@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusions.pdl import launch_options, wait_for_predecessor
+
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):
@@ -58,8 +60,10 @@ def _rope_kernel(
     stride_kcb, stride_kch, stride_kcl, stride_kcd,
     stride_vcb, stride_vch, stride_vcl, stride_vcd,
     HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, QK_NORM: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per (token, head): heads [0, num_q_heads) are q's, the rest k's."""
+    wait_for_predecessor(USE_PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     b = (token // seq_len).to(tl.int64)
@@ -115,7 +119,7 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
         seq_len, num_q_heads, k_cache.shape[2], eps, positions.stride(0) if write_cache else 0,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm,
-        WRITE_CACHE=write_cache, num_warps=1,
+        WRITE_CACHE=write_cache, num_warps=1, **launch_options(q.device),
     )
 
 

@@ -9,13 +9,16 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from fusions.pdl import launch_options, wait_for_predecessor
 from fusions.rmsnorm import as_rows
 
 COLUMNS_PER_PROGRAM = 1024  # output columns per program: 8 bf16 (16 bytes) per thread at 4 warps
 
 
 @triton.jit
-def _swiglu_kernel(gate_up_ptr, gate_up_row_stride, out_ptr, out_row_stride, inter, BLOCK: tl.constexpr):
+def _swiglu_kernel(gate_up_ptr, gate_up_row_stride, out_ptr, out_row_stride, inter, BLOCK: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -36,7 +39,8 @@ def _swiglu_op(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     block = min(COLUMNS_PER_PROGRAM, triton.next_power_of_2(inter))
     grid = (rows.shape[0], triton.cdiv(inter, block))
     wrap_triton(_swiglu_kernel)[grid](
-        rows, rows.stride(0), out_rows, out_rows.stride(0), inter, BLOCK=block, num_warps=4
+        rows, rows.stride(0), out_rows, out_rows.stride(0), inter, BLOCK=block, num_warps=4,
+        **launch_options(rows.device),
     )
 
 
