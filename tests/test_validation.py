@@ -198,3 +198,17 @@ def test_streamed_errors_equal_those_of_the_stored_logits():
                 assert 0 < rel_err == pytest.approx(expected, rel=1e-9, abs=0), (changes, rel_err, expected)
                 assert top1 == (picks[1:] == b.picks[1:]).double().mean().item()
     unpatch(model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph mode needs CUDA")
+def test_the_fp32_reference_decodes_in_graph_mode_as_eager():
+    """In graph mode the reference's steps replay one captured step, its weight casts included: same logits and picks
+    as eager steps."""
+    model = load_model("tiny-llama", torch.bfloat16, torch.device("cuda"))
+    prompt = torch.randint(0, model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(5)).cuda()
+    with torch.inference_mode():
+        eager, eager_picks = _decode(model, prompt, 8, None, [], [], "eager", dtype=torch.float32)
+        graph, graph_picks = _decode(model, prompt, 8, None, [], [], "graph", dtype=torch.float32)
+    torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
+    assert torch.equal(graph_picks, eager_picks)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
