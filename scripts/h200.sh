@@ -10,6 +10,8 @@
 #   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear) under fixed tile configs against its heuristic
 #   gpu-tests:F[,F]  the GPU tests of those fusions only
 #   pytest:T[,T]   those test files (paths under tests/), GPU tests included
+#   pdl:MODEL=R[,R]         scripts/pdl_ab.py: decode tok/s of MODEL patched with recipes R, PDL off and on
+#   gate-profile:MODEL=R[,R]  scripts/gate_profile.py: cProfile of the gate on MODEL patched with recipes R
 # Every run directory comes back as MODEL-KIND.tgz (eager traces left out when the archive would pass 15 MB), packed
 # after each stage. An apply or profile stage stops after STAGE_S seconds (default 480), and every stage by the time
 # the call has left: CALL_S (default 570) is the device call's own limit less a margin for the last archive, so a
@@ -67,6 +69,12 @@ for stage in "$@"; do
     bench:*) names=${stage#bench:}
              timeout "$(limit 300)" python3 scripts/bench_fusions.py "$OUT/fusions.json" ${names//,/ } 2>&1 \
                | tee -a $OUT/log.txt ;;
+    pdl:*) spec=${stage#pdl:}
+           timeout "$(limit "$STAGE_S")" python3 scripts/pdl_ab.py "${spec%%=*}" "${spec#*=}" "$OUT/pdl_${spec%%=*}.json" \
+             2>&1 | tee -a $OUT/log.txt ;;
+    gate-profile:*) spec=${stage#gate-profile:}
+                    timeout "$(limit "$STAGE_S")" python3 scripts/gate_profile.py "${spec%%=*}" "${spec#*=}" \
+                      "$OUT/gate_profile_${spec%%=*}.txt" 2>&1 | tee -a $OUT/log.txt ;;
     profile:*) timeout "$(limit "$STAGE_S")" python3 -m optiq profile --model "${stage#profile:}" --concurrency 64 \
                  --top 1 --runs-dir "$OUT/runs/${stage#profile:}-profile" 2>&1 | tee -a $OUT/log.txt ;;
   esac
