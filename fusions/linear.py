@@ -18,7 +18,8 @@ from fusions.pdl import launch_options, wait_for_predecessor
 
 DECODE_ROWS = 16  # rows up to which the streaming kernel is used
 BLOCK_M = 16  # the smallest M of a tensor-core dot
-TILE_GRID = [dict(BLOCK_N=n, BLOCK_K=k, num_stages=s) for n in (16, 32) for k in (256, 512) for s in (3, 4)]
+TILE_GRID = [dict(BLOCK_N=n, BLOCK_K=k, num_stages=s, num_warps=w)
+             for n in (16, 32) for k in (256, 512) for s in (3, 4) for w in (4, 8)]
 
 
 @triton.jit

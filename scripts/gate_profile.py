@@ -1,35 +1,49 @@
-"""Where the validation gate's seconds go: cProfile of optiq's gate on a patched preset at the W1 workload's shapes
-(C=1,16,64, prompt 512, 64 steps, graph mode), top entries by cumulative time. The profiler slows Python, so read
-the shares, not the totals. Usage: python scripts/gate_profile.py MODEL RECIPE,... OUT.txt"""
+"""Where the validation gate's seconds go: optiq's gate on a patched preset at the W1 workload's shapes (C=1,16,64,
+prompt 512, 64 steps, graph mode) under torch.profiler, each of its decodes in a range of its own (reference,
+unpatched or patched, and the concurrency). Prints each range's wall and GPU seconds and the kernels with the most
+GPU time. Usage: python scripts/gate_profile.py MODEL RECIPE,... OUT.txt"""
 
-import cProfile
-import io
-import pstats
 import sys
+import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
+import optiq.validation as validation
 from optiq.models import load_model
 from optiq.patching import apply
 from optiq.recipes import load_catalog
-from optiq.validation import validate
 
 
 def main(model_spec: str, recipes: str, out_path: str) -> None:
     model = load_model(model_spec, torch.bfloat16, torch.device("cuda"))
     catalog = load_catalog()
     patches = apply(model, [catalog[name] for name in recipes.split(",")])
-    profiler = cProfile.Profile()
-    report = profiler.runcall(validate, patches, concurrencies=(1, 16, 64), steps=64, prompt_len=512, mode="graph")
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text).sort_stats("cumulative")
-    stats.print_stats(60)
-    summary = (f"passed {report.passed}; capture {report.capture_seconds:.2f} s, baselines {report.baseline_seconds:.2f}"
-               f" s (reference {report.reference_seconds:.2f}), recipes "
-               + ", ".join(f"{n} {r.seconds:.2f}" for n, r in report.recipes.items())
-               + "; end to end " + ", ".join(f"C={e.concurrency} {e.seconds:.2f}" for e in report.end_to_end))
-    open(out_path, "w").write(summary + "\n" + text.getvalue())
-    print(summary)
+    plain_decode, walls = validation._decode, []
+
+    def decode(model, prompt, steps, forced, changes, engine_recipes, mode="eager", dtype=None, against=None):
+        kind = "reference" if dtype is not None else "patched" if changes or engine_recipes else "unpatched"
+        name = f"gate/{kind} C={prompt.shape[0]}"
+        started = time.perf_counter()
+        with record_function(name):
+            result = plain_decode(model, prompt, steps, forced, changes, engine_recipes, mode, dtype, against)
+            torch.cuda.synchronize()
+        walls.append((name, time.perf_counter() - started))
+        return result
+
+    validation._decode = decode
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        report = validation.validate(patches, concurrencies=(1, 16, 64), steps=64, prompt_len=512, mode="graph")
+    events = prof.key_averages()
+    gpu = {e.key: e.device_time_total / 1e6 for e in events if e.key.startswith("gate/")}
+    lines = [f"passed {report.passed}; capture {report.capture_seconds:.2f} s, baselines "
+             f"{report.baseline_seconds:.2f} s (reference {report.reference_seconds:.2f}); recipes "
+             + ", ".join(f"{n} {r.seconds:.2f}" for n, r in report.recipes.items())
+             + "; end to end " + ", ".join(f"C={e.concurrency} {e.seconds:.2f}" for e in report.end_to_end)]
+    lines += [f"{name:28} wall {wall:7.2f} s   GPU {gpu.get(name, float('nan')):7.2f} s" for name, wall in walls]
+    lines.append(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
+    open(out_path, "w").write("\n".join(lines))
+    print("\n".join(lines[:1 + len(walls)]))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Time a fusion under the fixed tile configs of its TILE_GRID against its shape heuristic (tile_config), at decode
-row counts of its benchmark cases, on a GPU: which tiles keep HBM busiest with few rows.
+row counts of its benchmark cases, on a GPU: which tiles keep HBM busiest with few rows (and the eager path
+it replaces, timed the same way).
 Usage: python scripts/tiles.py FUSION OUT.json   (FUSION: moe_experts, linear)"""
 
 import importlib
@@ -30,6 +31,11 @@ def main(name: str, out_path: str) -> None:
                 print(f"{label:28} rows {rows:3d} {str(config or 'heuristic'):45} "
                       f"{ms * 1e3:8.1f} us {100 * roof:5.1f}% roof", flush=True)
             module.tile_config = heuristic
+            if "eager" in case:  # what the fusion replaces (cuBLAS for a GEMM), timed the same way
+                ms = triton.testing.do_bench_cudagraph(case["eager"], rep=50, return_mode="median")
+                results.append({"case": label, "rows": rows, "config": "eager", "us": ms * 1e3,
+                                "roof": case["bytes"] / (ms * 1e-3) / bandwidth})
+                print(f"{label:28} rows {rows:3d} {'eager':45} {ms * 1e3:8.1f} us", flush=True)
     json.dump(results, open(out_path, "w"), indent=2)
 
 
