@@ -16,14 +16,13 @@ Layouts:
                               the reshape to [B, 1, Hq*D])
 """
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from fusions.pdl import launch_options, wait_for_predecessor
+from fusions.launch import launch_options, multiprocessor_count, wait_for_predecessor
 
 LOG2E = 1.4426950408889634
 
@@ -150,14 +149,6 @@ def _decode_attention_combine_kernel(
     tl.store(out_ptr + row * head_dim + cols, out, mask=col_mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessor_count(device: torch.device) -> int:
-    """SMs to fill on CUDA; elsewhere (the interpreter runs programs one by one) a small number keeps it quick."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def _launch_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, device: torch.device,
                    num_splits: int | None) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, split_len, num_splits, num_warps, num_stages) from shapes alone, never from `lengths`' values.
@@ -171,7 +162,7 @@ def _launch_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, d
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = min(max(8192 // block_d, 32), 128, max(16, triton.next_power_of_2(max_len)))
     num_blocks = triton.cdiv(max_len, block_n)
-    num_sms = _multiprocessor_count(device)
+    num_sms = multiprocessor_count(device)
     if num_splits is None:
         num_splits = triton.cdiv(num_sms, batch * num_kv_heads)
     num_splits = max(1, min(num_splits, num_blocks))

@@ -1,10 +1,11 @@
 """Decode-sized GEMMs, y = x @ W.T (+ bias) with a few rows of x, as one weight-streaming Triton kernel.
 
-At decode x has one row per sequence and the GEMM's cost is reading W once. For the attention output projection
-cuBLAS splits K and adds the splits in a second kernel: qwen3-0.6b's [1024, 2048] o_proj took 12.6 us at one row
-with its 4 MB read from HBM. Here each program streams BLOCK_N rows of W over all of K in wide tiles with several
-loads in flight, x (padded to the 16 rows a tensor-core dot takes) comes from L2, and there is one launch: 5.9 us.
-Where cuBLAS does not split (the QKV and down projections) it stays ahead, so the recipe routes o_proj only.
+At decode x has one row per sequence and the GEMM's cost is reading W once. Each program streams BLOCK_N rows of W
+over all of K in wide tiles with several loads in flight, x (padded to the 16 rows a tensor-core dot takes) comes from
+L2, and there is one launch, where cuBLAS splits K and adds the splits in a second kernel (qwen3-0.6b's o_proj and
+down_proj, llama-3.1-8b's down_proj) or leaves SMs idle (96 CTAs for llama-3.1-8b's QKV GEMM). Measured on the H200
+at one row, weights from HBM (scripts/tiles.py linear, BENCHMARKS.md session 7), against cuBLAS: qwen3-0.6b QKV 4.5 vs
+5.2 us, o_proj 4.5 vs 12.6, down 5.7 vs 7.6; llama-3.1-8b QKV 14.8 vs 15.8, o_proj 10.5 vs 13.7, down 29.0 vs 31.3.
 Past DECODE_ROWS rows the GEMM goes to cuBLAS, through F.linear (at 64 rows it was 30% faster than this kernel).
 """
 
@@ -14,7 +15,7 @@ import triton
 import triton.language as tl
 
 from fusions.gate_up_swiglu import fp32_dot, stream_dot
-from fusions.pdl import launch_options, wait_for_predecessor
+from fusions.launch import launch_options, multiprocessor_count, wait_for_predecessor
 
 DECODE_ROWS = 16  # rows up to which the streaming kernel is used
 BLOCK_M = 16  # the smallest M of a tensor-core dot
@@ -42,14 +43,18 @@ def _linear_kernel(
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def tile_config(n: int) -> dict:
-    """Tiles from the shapes, as measured on the H200 (scripts/tiles.py linear): 32 output columns per program from
-    4096 columns up (7-12% faster there), else 16, so that a 1024-column projection still spreads over 64 SMs."""
-    return dict(BLOCK_N=32 if n >= 4096 else 16, BLOCK_K=256, num_warps=4, num_stages=4)
+def tile_config(n: int, k: int, device: torch.device) -> dict:
+    """Tiles from the shapes, as measured on the H200 (scripts/tiles.py linear, 4 warps always ahead of 8): 32 output
+    columns per program from 4096 columns up, else 16, so that a 1024-column projection still spreads over 64 SMs;
+    K tiles of 512 when every program has an SM of its own and K spans four tiles or more, else 256 (at four stages a
+    512-wide tile leaves room for one program per SM: llama-3.1-8b's 192 QKV programs then took 19.0 us, not 14.8)."""
+    block_n = 32 if n >= 4096 else 16
+    wide_k = k >= 4 * 512 and triton.cdiv(n, block_n) <= multiprocessor_count(device)
+    return dict(BLOCK_N=block_n, BLOCK_K=512 if wide_k else 256, num_warps=4, num_stages=4)
 
 
-@torch.library.triton_op("optiq::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel for up to DECODE_ROWS rows of x, F.linear past them. Called from inside a triton_op."""
     k = x.shape[-1]
     x2d = x.reshape(-1, k)
     rows, n = x2d.shape[0], weight.shape[0]
@@ -57,13 +62,18 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return F.linear(x, weight, bias)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     out2d = out.view(rows, n)
-    config = tile_config(n)
+    config = tile_config(n, k, x.device)
     torch.library.wrap_triton(_linear_kernel)[(triton.cdiv(n, config["BLOCK_N"]),)](
         x2d, weight, bias if bias is not None else weight, out2d, rows, n, k,
         *x2d.stride(), *weight.stride(), *out2d.stride(),
         HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, FP32_DOT=fp32_dot(x.dtype), **config, **launch_options(x.device),
     )
     return out
+
+
+@torch.library.triton_op("optiq::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return launch_linear(x, weight, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,7 +91,7 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.linear(x, weight, bias)
 
 
-PROJECTIONS = {  # (K, N) of the presets' decode GEMMs: o_proj is the recipe's, the others show where cuBLAS wins
+PROJECTIONS = {  # (K, N) of the presets' decode GEMMs
     "qwen3-0.6b qkv": (1024, 4096), "qwen3-0.6b o_proj": (2048, 1024), "qwen3-0.6b down_proj": (3072, 1024),
     "llama-3.1-8b qkv": (4096, 6144), "llama-3.1-8b o_proj": (4096, 4096), "llama-3.1-8b down_proj": (14336, 4096),
 }

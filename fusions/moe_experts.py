@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from fusions.gate_up_swiglu import dot_accumulate, fp32_dot
-from fusions.pdl import launch_options, wait_for_predecessor
+from fusions.launch import launch_options, wait_for_predecessor
 
 
 @triton.jit

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fusions.qkv_proj import benchmark_case, concat_qkv_weights, qkv_proj, qkv_proj_reference
-from kernel_testing import CUDA, assert_graph_replay_and_compile, needs_cuda
+from kernel_testing import CUDA, OPCHECKS, assert_graph_replay_and_compile, needs_cuda
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -66,7 +66,8 @@ def test_wrong_inputs_fail_cpu():
 def test_custom_op_registration():
     device = "cuda" if CUDA else "cpu"
     x, weights, biases = make_inputs(50, (2,), 32, (16, 8, 8), torch.float32, device, with_bias=True)
-    torch.library.opcheck(torch.ops.optiq.qkv_proj.default, (x, concat_qkv_weights(*weights), torch.cat(biases)))
+    torch.library.opcheck(torch.ops.optiq.qkv_proj.default, (x, concat_qkv_weights(*weights), torch.cat(biases)),
+                          **OPCHECKS)
 
 
 PRESETS = {  # name: (hidden, q heads, kv heads, head_dim)

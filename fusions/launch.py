@@ -1,4 +1,6 @@
-"""Programmatic dependent launch (PDL, Hopper and later): the next kernel of a decode step starts before this one ends.
+"""How the kernels are launched: grids sized to the GPU's SMs, and programmatic dependent launch.
+
+Programmatic dependent launch (PDL, Hopper and later) lets the next kernel of a decode step start before this one ends.
 
 A decode step at small batch is a chain of short kernels, and between two of them the GPU idles while the first
 drains and the second is launched and spread over the SMs (qwen3-0.6b's C=1 step: 355 kernels, 14% idle in CUDA-graph
@@ -12,11 +14,20 @@ Off under the Triton interpreter (it has no such instructions), under torch.comp
 way), before Hopper, and with ``OPTIQ_PDL=0`` in the environment (to measure what it buys).
 """
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device: torch.device) -> int:
+    """SMs to fill on CUDA; elsewhere (the interpreter runs programs one by one) a small number keeps it quick."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 def enabled(device: torch.device) -> bool:

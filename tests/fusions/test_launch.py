@@ -9,7 +9,7 @@ import torch
 from fusions.add_rmsnorm import add_rmsnorm
 from fusions.gate_up_swiglu import gate_up_swiglu, interleave_gate_up
 from fusions.linear import linear
-from fusions.pdl import enabled, launch_options
+from fusions.launch import enabled, launch_options
 from fusions.rmsnorm import rmsnorm
 from kernel_testing import CUDA, needs_cuda
 
