@@ -39,6 +39,7 @@ from transformers import Cache
 from optiq import split_matmul
 from optiq.engine import DecodeEngine
 from optiq.patching import Change, Patches, Site, engine_site
+from optiq.reference_attention import grouped_decode_attention
 
 # factor, floor (in eps of the model dtype). Why these:
 # - exact_order: same roundings in the same order, so the fused error is the unfused one plus at most a rounding of
@@ -318,21 +319,29 @@ def computing_in(model: torch.nn.Module, dtype: torch.dtype):
             param.data = data
 
 
+@contextmanager
+def _as_reference(model: torch.nn.Module, dtype: torch.dtype):
+    """The model as the end-to-end reference: computing in ``dtype``, its decode steps' attention grouped by kv head
+    (optiq.reference_attention) rather than HF's sdpa path with its copies of the keys and values."""
+    with computing_in(model, dtype), grouped_decode_attention(model):
+        yield
+
+
 def _decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, forced: torch.Tensor | None,
             changes: list[Change], engine_recipes: list, mode: str = "eager", dtype: torch.dtype | None = None,
             against: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy decode ``steps`` steps in engine ``mode`` (computing in ``dtype`` if given); with ``forced`` (the
-    reference's picks) the next input is always the reference's. Returns the logits [steps, batch, vocab] in float32
-    or, with ``against`` (logits of that shape), only the float64 sum of squares of the logits' difference from them,
-    taken step by step so that a decode never holds more than one step of its own (at C=64 on a 152k vocabulary the
-    logits of 64 steps are 2.5 GB in fp32); and this model's own picks [steps + 1, batch]. Everything stays on the
-    model's device: the loop neither waits for the device nor copies to the host."""
+    """Greedy decode ``steps`` steps in engine ``mode`` (as the reference, computing in ``dtype``, if given); with
+    ``forced`` (the reference's picks) the next input is always the reference's. Returns the logits [steps, batch,
+    vocab] in float32 or, with ``against`` (logits of that shape), only the float64 sum of squares of the logits'
+    difference from them, taken step by step so that a decode never holds more than one step of its own (at C=64 on a
+    152k vocabulary the logits of 64 steps are 2.5 GB in fp32); and this model's own picks [steps + 1, batch].
+    Everything stays on the model's device: the loop neither waits for the device nor copies to the host."""
     engine = DecodeEngine(model, prompt.shape[0], prompt.shape[1] + steps + 1, mode=mode, dtype=dtype)
     changes = changes + [(site := engine_site(a, engine)).bind(site.replacement) for a in engine_recipes]
     for change in changes:
         change.redo()
     try:
-        with computing_in(model, dtype) if dtype is not None else nullcontext():
+        with _as_reference(model, dtype) if dtype is not None else nullcontext():
             prompt_logits = engine.prefill(prompt)
             picks = [engine.tokens[:, 0].clone()]
             if against is None:  # a model's logits are bf16, fp16 or fp32, so float32 holds them exactly
