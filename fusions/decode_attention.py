@@ -201,12 +201,12 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         num_kv_heads, group_size, head_dim, split_len, splits,
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST_DOT=interpreted, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
+        num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )
     torch.library.wrap_triton(_decode_attention_combine_kernel)[(batch * num_q_heads,)](
         partial_out, partial_lse, out, head_dim, splits,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
-        num_warps=4, **launch_options(q.device),
+        num_warps=4, **launch_options(q),
     )
     return out
 

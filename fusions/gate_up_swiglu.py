@@ -113,7 +113,7 @@ def _gate_up_swiglu_op(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor
     torch.library.wrap_triton(_gate_up_gemm_swiglu_kernel)[grid](
         x2d, w_gate_up, out2d, rows, intermediate, hidden,
         *x2d.stride(), *w_gate_up.stride(), *out2d.stride(),
-        FP32_DOT=fp32_dot(x.dtype), **config, **launch_options(x.device),
+        FP32_DOT=fp32_dot(x.dtype), **config, **launch_options(x),
     )
     return out
 

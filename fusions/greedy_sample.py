@@ -84,12 +84,12 @@ def _greedy_sample_op(logits: torch.Tensor, out: torch.Tensor) -> None:
     warps = min(8, max(1, tile // 512))  # 16 entries per thread once the tile is large enough
     wrap_triton(_tile_argmax_kernel)[(rows.shape[0], num_tiles)](
         rows, rows.stride(0), vocab, partial_value, partial_index, num_tiles, TILE=tile, num_warps=warps,
-        **launch_options(rows.device),
+        **launch_options(rows),
     )
     tiles_block = triton.next_power_of_2(num_tiles)
     wrap_triton(_row_argmax_kernel)[(rows.shape[0],)](
         partial_value, partial_index, num_tiles, out_rows, TILES=tiles_block, num_warps=1,
-        **launch_options(rows.device),
+        **launch_options(rows),
     )
 
 

@@ -10,8 +10,9 @@ launch. Waiting first, before any load or store, keeps every read-after-write an
 stream, so the kernels need no other change. A predecessor launched without PDL (cuBLAS, torch's own kernels) just
 ends the overlap there: its successor starts when it completes, as without PDL.
 
-Off under the Triton interpreter (it has no such instructions), under torch.compile (which launches kernels its own
-way), before Hopper, and with ``OPTIQ_PDL=0`` in the environment (to measure what it buys).
+Off under the Triton interpreter (it has no such instructions), under torch.compile (its tracing tensors are not
+plain ones; it launches kernels its own way and cannot analyse the wait's inline assembly), before Hopper, and with
+``OPTIQ_PDL=0`` in the environment (to measure what it buys).
 """
 
 import functools
@@ -30,17 +31,16 @@ def multiprocessor_count(device: torch.device) -> int:
     return 4
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` are launched with PDL here and now."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and os.environ.get("OPTIQ_PDL", "1") != "0" and not torch.compiler.is_compiling()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+def enabled(tensor: torch.Tensor) -> bool:
+    """Whether a kernel launched on ``tensor`` (a plain CUDA tensor: not one torch.compile traces with) uses PDL."""
+    return (type(tensor) is torch.Tensor and tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+            and os.environ.get("OPTIQ_PDL", "1") != "0" and torch.cuda.get_device_capability(tensor.device)[0] >= 9)
 
 
-def launch_options(device: torch.device) -> dict:
-    """Keyword arguments for a kernel launch: the kernel's ``USE_PDL`` and Triton's ``launch_pdl``, set together (a
-    kernel launched with PDL must wait for its predecessor; one that waits without it only pays the instruction)."""
-    on = enabled(device)
+def launch_options(tensor: torch.Tensor) -> dict:
+    """Keyword arguments for a kernel launched on ``tensor``'s device: the kernel's ``USE_PDL`` and Triton's
+    ``launch_pdl``, set together (a kernel launched with PDL must wait for its predecessor)."""
+    on = enabled(tensor)
     return {"USE_PDL": on, "launch_pdl": on} if on else {"USE_PDL": False}
 
 

@@ -66,7 +66,7 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     torch.library.wrap_triton(_linear_kernel)[(triton.cdiv(n, config["BLOCK_N"]),)](
         x2d, weight, bias if bias is not None else weight, out2d, rows, n, k,
         *x2d.stride(), *weight.stride(), *out2d.stride(),
-        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, FP32_DOT=fp32_dot(x.dtype), **config, **launch_options(x.device),
+        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, FP32_DOT=fp32_dot(x.dtype), **config, **launch_options(x),
     )
     return out
 

@@ -109,11 +109,11 @@ def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, c_cache: torch.Tenso
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=block_n, BLOCK_R=block_r,
         BLOCK_P=max(16, triton.next_power_of_2(rope)),
         UPCAST_DOT=interpreted, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
-        num_warps=8, num_stages=2, **launch_options(q_lat.device),
+        num_warps=8, num_stages=2, **launch_options(q_lat),
     )
     torch.library.wrap_triton(_decode_attention_combine_kernel)[(batch * num_heads,)](
         partial_out, partial_lse, out, latent, splits,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_r, num_warps=4, **launch_options(q_lat.device),
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_r, num_warps=4, **launch_options(q_lat),
     )
     return out
 

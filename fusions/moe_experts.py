@@ -183,7 +183,7 @@ def pack_by_expert(top_k_index: torch.Tensor, num_experts: int, block_m: int):
     torch.library.wrap_triton(_experts_pack_kernel)[(1,)](
         flat, order, counts, expert_start, tile_end, flat.numel(), num_experts,
         BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=32, num_warps=4,
-        **launch_options(flat.device),
+        **launch_options(flat),
     )
     return order, counts, expert_start, tile_end
 
@@ -211,15 +211,15 @@ def _moe_experts_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
     torch.library.wrap_triton(_experts_gate_up_kernel)[(max_tiles, triton.cdiv(inter, gate_up["BLOCK_N"]))](
         x, order, tile_end, expert_start, counts, w_gate_up, act,
         top_k, num_experts, inter, hidden,
-        x.stride(0), *w_gate_up.stride(), act.stride(0), **common, **gate_up, **launch_options(x.device),
+        x.stride(0), *w_gate_up.stride(), act.stride(0), **common, **gate_up, **launch_options(x),
     )
     torch.library.wrap_triton(_experts_down_kernel)[(max_tiles, triton.cdiv(hidden, down["BLOCK_N"]))](
         act, order, routing, tile_end, expert_start, counts, w_down, per_slot,
         num_experts, hidden, inter,
-        act.stride(0), *w_down.stride(), per_slot.stride(0), **common, **down, **launch_options(x.device),
+        act.stride(0), *w_down.stride(), per_slot.stride(0), **common, **down, **launch_options(x),
     )
     torch.library.wrap_triton(_experts_sum_choices_kernel)[(tokens, triton.cdiv(hidden, 256))](
-        per_slot, out, top_k, hidden, per_slot.stride(0), out.stride(0), BLOCK_N=256, **launch_options(x.device),
+        per_slot, out, top_k, hidden, per_slot.stride(0), out.stride(0), BLOCK_N=256, **launch_options(x),
     )
     return out
 

@@ -116,7 +116,7 @@ def _route(src: torch.Tensor, logits: torch.Tensor | None, splits: int, top_k: i
         src, logits if logits is not None else src, weights, index, tokens, experts, splits, scale, src.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, FROM_SPLITS=logits is not None, BLOCK_T=BLOCK_T,
         BLOCK_E=triton.next_power_of_2(experts), BLOCK_S=triton.next_power_of_2(top_k), num_warps=4,
-        **launch_options(src.device),
+        **launch_options(src),
     )
     return weights, index
 
@@ -139,7 +139,7 @@ def _moe_route_gemm_op(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, r
                                                         triton.cdiv(experts, block_e))](
         hidden, weight, partial, tokens, experts, hidden_size, hidden.stride(0), weight.stride(0),
         BLOCK_T=BLOCK_T, BLOCK_E=block_e, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
-        FP32_DOT=fp32_dot(hidden.dtype), num_warps=4, **launch_options(hidden.device),
+        FP32_DOT=fp32_dot(hidden.dtype), num_warps=4, **launch_options(hidden),
     )
     logits = torch.empty((tokens, experts), dtype=torch.float32, device=hidden.device)
     weights, index = _route(partial, logits, splits, top_k, renormalize, scale, out_dtype)

@@ -92,7 +92,7 @@ def launch_rmsnorm(x, residual, weight, eps, offset, out, new_residual):
         HAS_RESIDUAL=residual is not None,
         OFFSET=offset,
         BLOCK=block,
-        num_warps=num_warps, **launch_options(x.device),
+        num_warps=num_warps, **launch_options(x),
     )
 
 

@@ -119,7 +119,7 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
         seq_len, num_q_heads, k_cache.shape[2], eps, positions.stride(0) if write_cache else 0,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm,
-        WRITE_CACHE=write_cache, num_warps=1, **launch_options(q.device),
+        WRITE_CACHE=write_cache, num_warps=1, **launch_options(q),
     )
 
 

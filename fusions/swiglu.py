@@ -40,7 +40,7 @@ def _swiglu_op(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     grid = (rows.shape[0], triton.cdiv(inter, block))
     wrap_triton(_swiglu_kernel)[grid](
         rows, rows.stride(0), out_rows, out_rows.stride(0), inter, BLOCK=block, num_warps=4,
-        **launch_options(rows.device),
+        **launch_options(rows),
     )
 
 

@@ -15,7 +15,13 @@ from typing import Callable
 import torch
 from transformers import StaticCache
 
+from optiq.errors import OptiqError
+
 WARMUP_STEPS = 3
+
+
+class CaptureError(OptiqError):
+    """A decode step that graph mode cannot capture (it synchronizes with the host, or copies from it)."""
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -123,9 +129,15 @@ class DecodeEngine:
             for _ in range(WARMUP_STEPS):
                 self._step()
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.graph_logits = self._step()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.graph_logits = self._step()
+        except RuntimeError as exc:
+            why = next(iter(str(exc).splitlines()), "")
+            raise CaptureError(f"--mode graph cannot capture this model's decode step ({why}); use --mode eager") \
+                from exc
+        self.graph = graph
         self.seek(start)
         self.tokens.copy_(tokens)
 

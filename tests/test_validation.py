@@ -8,6 +8,7 @@ import torch
 from optiq.models import load_model
 from optiq.patching import apply, unpatch
 from optiq.recipes import load_catalog
+from optiq.reference_attention import grouped_decode_attention
 from optiq.validation import _decode, baselines, end_to_end, validate
 from wrong_kernels import user_recipe
 
@@ -63,8 +64,10 @@ def test_computing_in_fp32_equals_an_fp32_copy_and_restores_the_weights(preset):
     model = load_model(preset, torch.bfloat16, torch.device("cpu"))
     stored = [(p, p.data_ptr()) for p in model.parameters()]
     prompt = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    fp32_copy = copy.deepcopy(model).float()
+    with torch.inference_mode(), grouped_decode_attention(fp32_copy):  # the attention the reference decodes with
+        want, want_picks = _decode(fp32_copy, prompt, 4, None, [], [])
     with torch.inference_mode():
-        want, want_picks = _decode(copy.deepcopy(model).float(), prompt, 4, None, [], [])
         got, got_picks = _decode(model, prompt, 4, None, [], [], dtype=torch.float32)
     assert torch.equal(got, want) and torch.equal(got_picks, want_picks)
     assert all(p is q and p.data_ptr() == address and p.dtype == torch.bfloat16

@@ -5,6 +5,7 @@ predecessor had finished would show."""
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fusions.add_rmsnorm import add_rmsnorm
 from fusions.gate_up_swiglu import gate_up_swiglu, interleave_gate_up
@@ -17,12 +18,17 @@ HOPPER = CUDA and torch.cuda.get_device_capability()[0] >= 9
 
 
 def test_off_on_the_cpu():
-    assert launch_options(torch.device("cpu")) == {"USE_PDL": False}
+    assert launch_options(torch.ones(2)) == {"USE_PDL": False}
+
+
+def test_off_for_the_tensors_torch_compile_traces_with():
+    with FakeTensorMode() as fake:
+        assert not enabled(fake.from_tensor(torch.ones(2)))
 
 
 @needs_cuda
 def test_on_from_hopper_unless_turned_off(monkeypatch):
-    cuda = torch.device("cuda")
+    cuda = torch.ones(2, device="cuda")
     assert enabled(cuda) == HOPPER
     monkeypatch.setenv("OPTIQ_PDL", "0")
     assert not enabled(cuda) and launch_options(cuda) == {"USE_PDL": False}
