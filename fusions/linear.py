@@ -7,6 +7,8 @@ down_proj, llama-3.1-8b's down_proj) or leaves SMs idle (96 CTAs for llama-3.1-8
 at one row, weights from HBM (scripts/tiles.py linear, BENCHMARKS.md session 7), against cuBLAS: qwen3-0.6b QKV 4.5 vs
 5.2 us, o_proj 4.5 vs 12.6, down 5.7 vs 7.6; llama-3.1-8b QKV 14.8 vs 15.8, o_proj 10.5 vs 13.7, down 29.0 vs 31.3.
 Past DECODE_ROWS rows the GEMM goes to cuBLAS, through F.linear (at 64 rows it was 30% faster than this kernel).
+A residual may be added in the epilogue (the decoder layer's add after down_proj), so the sum is written once, with
+one rounding, and costs no kernel of its own.
 """
 
 import torch
@@ -25,22 +27,25 @@ TILE_GRID = [dict(BLOCK_N=n, BLOCK_K=k, num_stages=s, num_warps=w)
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP32_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Output columns [BLOCK_N] of every row (M <= BLOCK_M), accumulated in fp32 over all of K."""
+    """Output columns [BLOCK_N] of every row (M <= BLOCK_M), accumulated in fp32 over all of K, the bias and the
+    residual added to the sum before its one rounding."""
     wait_for_predecessor(USE_PDL)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
     acc = stream_dot(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
                      BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_RESIDUAL:
+        acc += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
+             mask=mask)
 
 
 def tile_config(n: int, k: int, device: torch.device) -> dict:
@@ -53,42 +58,57 @@ def tile_config(n: int, k: int, device: torch.device) -> dict:
     return dict(BLOCK_N=block_n, BLOCK_K=512 if wide_k else 256, num_warps=4, num_stages=4)
 
 
-def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel for up to DECODE_ROWS rows of x, F.linear past them. Called from inside a triton_op."""
+def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel for up to DECODE_ROWS rows of x, cuBLAS past them (with the residual in its epilogue, addmm, when
+    there is no bias). Called from inside a triton_op."""
     k = x.shape[-1]
     x2d = x.reshape(-1, k)
     rows, n = x2d.shape[0], weight.shape[0]
     if rows > DECODE_ROWS:
-        return F.linear(x, weight, bias)
+        if residual is None:
+            return F.linear(x, weight, bias)
+        if bias is None:
+            return torch.addmm(residual.reshape(rows, n), x2d, weight.t()).view(residual.shape)
+        return residual + F.linear(x, weight, bias)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     out2d = out.view(rows, n)
+    r2d = residual.reshape(rows, n) if residual is not None else out2d
     config = tile_config(n, k, x.device)
     torch.library.wrap_triton(_linear_kernel)[(triton.cdiv(n, config["BLOCK_N"]),)](
-        x2d, weight, bias if bias is not None else weight, out2d, rows, n, k,
-        *x2d.stride(), *weight.stride(), *out2d.stride(),
-        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, FP32_DOT=fp32_dot(x.dtype), **config, **launch_options(x),
+        x2d, weight, bias if bias is not None else weight, r2d, out2d, rows, n, k,
+        *x2d.stride(), *weight.stride(), *r2d.stride(), *out2d.stride(),
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=BLOCK_M, FP32_DOT=fp32_dot(x.dtype),
+        **config, **launch_options(x),
     )
     return out
 
 
 @torch.library.triton_op("optiq::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return launch_linear(x, weight, bias)
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    return launch_linear(x, weight, bias, residual)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype: nn.Linear's function, accumulated in fp32
-    and rounded once; more than DECODE_ROWS rows go to F.linear."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) (+ residual [..., N]) -> [..., N] in x's dtype: nn.Linear's
+    function, and the residual add after it, accumulated in fp32 and rounded once; more than DECODE_ROWS rows go to
+    cuBLAS."""
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} is not [N, {x.shape[-1]}]")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias {tuple(bias.shape)} is not [{weight.shape[0]}]")
-    return torch.ops.optiq.linear(x, weight, bias)
+    if residual is not None and residual.shape != (*x.shape[:-1], weight.shape[0]):
+        raise ValueError(f"residual {tuple(residual.shape)} is not {(*x.shape[:-1], weight.shape[0])}")
+    return torch.ops.optiq.linear(x, weight, bias, residual)
 
 
-def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """nn.Linear as HF runs it."""
-    return F.linear(x, weight, bias)
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """nn.Linear as HF runs it, then HF's residual add (each rounded to x's dtype)."""
+    out = F.linear(x, weight, bias)
+    return out if residual is None else residual + out
 
 
 PROJECTIONS = {  # (K, N) of the presets' decode GEMMs

@@ -66,6 +66,32 @@ def test_builtin_recipes_keep_logits_and_undo_restores_everything(tiny_model, ri
     assert torch.equal(decode(tiny_model), reference)
 
 
+@pytest.mark.parametrize("with_decode_linear", [True, False])
+def test_the_residual_add_after_the_mlp_goes_into_down_projs_kernel(monkeypatch, with_decode_linear):
+    """With add_rmsnorm, gate_up_swiglu and decode_linear, each layer hands its residual to the MLP and the MLP to
+    down_proj's kernel; without decode_linear the MLP adds it as HF does. The logits stay the unpatched ones."""
+    import optiq.patches.decoder_layer as decoder_layer
+    import optiq.patches.mlp as mlp
+    from optiq.models import load_model
+
+    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    reference = decode(model)
+    names = ["add_rmsnorm", "gate_up_swiglu"] + (["decode_linear"] if with_decode_linear else [])
+    patches = apply(model, [load_catalog()[n] for n in names])
+    handed = []
+    for module in (decoder_layer, mlp):
+        spy = (lambda real: lambda m, x, residual=None: handed.append(
+            (type(m).__name__, residual is not None and getattr(m.forward, "takes_residual", False)))
+            or real(m, x, residual))(module.plus_residual)
+        monkeypatch.setattr(module, "plus_residual", spy)
+    patched = decode(model, steps=1, patches=patches)
+    layers = model.config.num_hidden_layers * 2  # the prefill's forward, then the step's
+    assert handed.count(("LlamaMLP", True)) == layers
+    assert handed.count(("Linear", True)) == (layers if with_decode_linear else 0)
+    torch.testing.assert_close(patched[0], reference[0], rtol=1e-5, atol=1e-5)
+    unpatch(model)
+
+
 def test_swiglu_and_engine_patch(tmp_path):
     from optiq.models import load_model
 

@@ -14,4 +14,18 @@ The contract, one per ``[patch] kind`` of a recipe:
 
 A factory raises ValueError when the module it is given is outside what the fusion can compute; the recipe is then
 reported as not applicable with that message.
+
+A ``module_forward`` replacement may also take ``residual=`` and return ``residual + output``, adding it inside its
+last kernel (the decoder layer's add after the MLP then costs no launch of its own); it says so with a
+``takes_residual`` attribute, and callers go through ``plus_residual``.
 """
+
+
+def plus_residual(module, x, residual=None):
+    """``residual + module(x)`` (``module(x)`` without a residual): in one call when the module's forward takes
+    ``residual=``, else as HF adds it."""
+    if residual is None:
+        return module(x)
+    if getattr(module.forward, "takes_residual", False):
+        return module(x, residual=residual)
+    return residual + module(x)

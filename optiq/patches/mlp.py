@@ -1,9 +1,12 @@
-"""Gated MLPs (down(silu(gate(x)) * up(x))) through one GEMM for gate and up plus a fused SwiGLU."""
+"""Gated MLPs (down(silu(gate(x)) * up(x))) through one GEMM for gate and up plus a fused SwiGLU; both forwards take
+``residual=`` (optiq.patches.plus_residual) and hand it to down_proj."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from optiq.patches import plus_residual
 
 
 def _check(mlp: torch.nn.Module) -> None:
@@ -18,9 +21,10 @@ def swiglu_forward(mlp: torch.nn.Module, fusion):
     weight = torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)).detach()
     bias = None if mlp.gate_proj.bias is None else torch.cat((mlp.gate_proj.bias, mlp.up_proj.bias)).detach()
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return mlp.down_proj(fusion(F.linear(x, weight, bias)))
+    def forward(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return plus_residual(mlp.down_proj, fusion(F.linear(x, weight, bias)), residual)
 
+    forward.takes_residual = True
     return forward
 
 
@@ -34,7 +38,8 @@ def gate_up_swiglu_forward(mlp: torch.nn.Module, fusion):
     gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
     weight = torch.stack((gate, up), dim=1).reshape(2 * gate.shape[0], gate.shape[1]).detach().contiguous()
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return mlp.down_proj(fusion(x, weight))
+    def forward(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return plus_residual(mlp.down_proj, fusion(x, weight), residual)
 
+    forward.takes_residual = True
     return forward

@@ -35,6 +35,22 @@ def test_matches_nn_linear(request, poisoned_empty, leading, k, n, bias):
     check(*make_inputs(seed_of(request), leading, k, n, torch.float32, SMALL_DEVICE, bias))
 
 
+@pytest.mark.parametrize("rows", [3, DECODE_ROWS + 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_is_added_before_the_one_rounding(request, rows, dtype):
+    """residual + x @ W.T, for decode rows in the kernel's epilogue and past them in cuBLAS's (addmm); as close to
+    the float64 sum as the plain product is to its own (one rounding of the sum, not two)."""
+    x, weight, _ = make_inputs(seed_of(request), (rows,), 96, 40, dtype, SMALL_DEVICE, bias=False)
+    residual = torch.randn(rows, 40, generator=torch.Generator().manual_seed(rows)).to(SMALL_DEVICE, dtype) * 4
+    got = linear(x, weight, residual=residual)
+    want = residual.double() + F.linear(x.double(), weight.double())
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=TOLERANCES[dtype], atol=TOLERANCES[dtype])
+    assert not torch.allclose(got.double(), want - residual.double(), atol=0.5)  # the residual is really in it
+    with pytest.raises(ValueError):
+        linear(x, weight, residual=residual[:, :-1])
+
+
 def test_bf16(request):
     check(*make_inputs(seed_of(request), (5,), 160, 48, torch.bfloat16, SMALL_DEVICE, bias=True))
 
