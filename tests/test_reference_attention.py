@@ -12,13 +12,15 @@ import optiq.validation as validation
 from optiq.validation import _decode
 
 
-@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, value_dim", [(8, 2, 16), (4, 4, 16), (4, 4, 8)])
 @pytest.mark.parametrize("bool_mask", [True, False])
-def test_matches_hf_sdpa_on_one_query_token(num_q_heads, num_kv_heads, bool_mask):
-    gen = torch.Generator().manual_seed(num_q_heads * 10 + num_kv_heads + bool_mask)
+def test_matches_hf_sdpa_on_one_query_token(num_q_heads, num_kv_heads, value_dim, bool_mask):
+    """GQA, MHA, and MLA's narrower values."""
+    gen = torch.Generator().manual_seed(num_q_heads * 10 + num_kv_heads + value_dim + bool_mask)
     batch, length, dim = 3, 11, 16
     query = torch.randn(batch, num_q_heads, 1, dim, generator=gen)
-    key, value = (torch.randn(batch, num_kv_heads, length, dim, generator=gen) for _ in range(2))
+    key = torch.randn(batch, num_kv_heads, length, dim, generator=gen)
+    value = torch.randn(batch, num_kv_heads, length, value_dim, generator=gen)
     filled = torch.tensor([11, 4, 7])
     mask = (torch.arange(length)[None, :] < filled[:, None])[:, None, None, :]
     if not bool_mask:
@@ -28,7 +30,7 @@ def test_matches_hf_sdpa_on_one_query_token(num_q_heads, num_kv_heads, bool_mask
     want, _ = AttentionInterface._global_mapping["sdpa"](module, query.double(), key.double(), value.double(), mask
                                                          if bool_mask else mask.double(), scaling=0.3)
     got, weights = grouped_attention(module, query, key, value, mask, scaling=0.3)
-    assert weights is None and got.shape == want.shape == (batch, 1, num_q_heads, dim)
+    assert weights is None and got.shape == want.shape == (batch, 1, num_q_heads, value_dim)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     # a key past a sequence's filled length changes nothing; one inside does
     key[1, :, 5] += 10.0
