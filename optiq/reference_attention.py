@@ -21,8 +21,8 @@ NAME = "optiq_reference"
 
 def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """HF's attention-function interface: query [B, Hq, S, D], key [B, Hkv, L, D], value [B, Hkv, L, Dv] (MLA's Dv
-    differs), a boolean (True = attend) or additive mask broadcastable to [B, 1, S, L]; returns ([B, S, Hq, Dv], None). One query token per
-    sequence runs here; more go to HF's sdpa function."""
+    differs), a boolean (True = attend) or additive mask broadcastable to [B, 1, S, L]; returns ([B, S, Hq, Dv],
+    None). One query token per sequence runs here; more go to HF's sdpa function."""
     batch, num_q_heads, q_len, head_dim = query.shape
     num_kv_heads = key.shape[1]
     if q_len != 1 or dropout:
@@ -34,7 +34,7 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     if attention_mask is not None:
         mask = attention_mask[..., : key.shape[2]]  # [B or 1, 1, 1, L], as HF's sdpa function slices it
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    out = scores.softmax(dim=-1) @ value  # [B, Hkv, G, D]
+    out = scores.softmax(dim=-1) @ value  # [B, Hkv, G, Dv]
     return out.reshape(batch, 1, num_q_heads, value.shape[-1]), None
 
 

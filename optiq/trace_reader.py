@@ -14,8 +14,8 @@ Events may come in any order, so linkage and enclosure are resolved after the pa
 
 A GPU activity's ``ts`` and ``dur`` are its own time: from the end of the activities before it on its stream, where
 that is later than its start (a kernel launched with programmatic dependent launch starts waiting before its
-predecessor ends). A trace without GPU activity
-(a CPU-only profile) gives a table of CPU ops with their self time instead.
+predecessor ends). A trace without GPU activity (a CPU-only profile) gives a table of CPU ops with their self time
+instead.
 """
 
 from __future__ import annotations
