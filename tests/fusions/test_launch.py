@@ -9,8 +9,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fusions.add_rmsnorm import add_rmsnorm
 from fusions.gate_up_swiglu import gate_up_swiglu, interleave_gate_up
-from fusions.linear import linear
 from fusions.launch import enabled, launch_options
+from fusions.linear import linear
 from fusions.rmsnorm import rmsnorm
 from kernel_testing import CUDA, needs_cuda
 
