@@ -31,13 +31,26 @@ def bf16_parts(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, mid, lo])
 
 
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` in fp32 for an fp32 ``x`` and a bf16 ``weight`` on a CUDA device (torch.mm's and torch.bmm's
+    ``out_dtype``): ``x`` [M, K] and ``weight`` [N, K]; or a stack of weights [E, N, K], with ``x`` [M, K] shared by
+    all or [E, M, K] one per weight, giving [E, M, N]. The three parts go through one GEMM stacked as rows, so each
+    weight is read once."""
+    parts = bf16_parts(x)  # [3, *x.shape]
+    if weight.dim() == 2:
+        products = torch.mm(parts.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+        products = products.view(3, *x.shape[:-1], weight.shape[0])
+    else:
+        stacked = parts.movedim(0, 1) if x.dim() == 3 else parts  # [E, 3, M, K] or [3, M, K]
+        stacked = stacked.reshape(*stacked.shape[:-3], -1, x.shape[-1]).expand(weight.shape[0], -1, -1)
+        products = torch.bmm(stacked, weight.transpose(1, 2), out_dtype=torch.float32)
+        products = products.view(weight.shape[0], 3, -1, weight.shape[1]).movedim(1, 0)  # [3, E, M, N]
+    return products[2] + products[1] + products[0]  # the smallest first
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` of an fp32 ``x`` and a bf16 ``weight`` in fp32, on a CUDA device (torch.mm's ``out_dtype``). The
-    three parts go through one GEMM stacked as rows, so a decode step reads the weight once."""
-    rows = x.reshape(-1, x.shape[-1])
-    parts = bf16_parts(rows).flatten(0, 1)
-    products = torch.mm(parts, weight.t(), out_dtype=torch.float32).view(3, rows.shape[0], weight.shape[0])
-    out = products[2] + products[1] + products[0]  # the smallest first
+    """``F.linear`` of an fp32 ``x`` and a bf16 ``weight`` in fp32, on a CUDA device (``matmul``)."""
+    out = matmul(x.reshape(-1, x.shape[-1]), weight)
     if bias is not None:
         out += bias.float()
     return out.view(*x.shape[:-1], weight.shape[0])

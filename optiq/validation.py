@@ -36,8 +36,9 @@ from typing import Any, Callable
 import torch
 from transformers import Cache
 
-from optiq import split_matmul
+from optiq import reference_experts, split_matmul
 from optiq.engine import CaptureError, DecodeEngine
+from optiq.patches.moe import swiglu_experts_problem
 from optiq.patching import Change, Patches, Site, engine_site
 from optiq.reference_attention import grouped_decode_attention
 
@@ -289,9 +290,10 @@ def _gate(patches: Patches, name: str, sites: list[tuple[Site, list]]) -> Recipe
 def computing_in(model: torch.nn.Module, dtype: torch.dtype):
     """The model computes in ``dtype`` while its weights stay stored in their own: each module's parameters are cast
     when it starts and put back when it ends, so one module's cast weights are alive at a time (an fp32 copy of a
-    30B-parameter bf16 model does not fit beside it on one GPU). Computing in fp32 on a GPU, linear layers with bf16
-    weights keep them and, where it is faster, take their products from bf16 parts of the activations on the tensor
-    cores (``split_matmul``: a few millionths from the exact product, a thousandth of a bf16 product's error)."""
+    30B-parameter bf16 model does not fit beside it on one GPU). Computing in fp32 on a GPU, linear layers and MoE
+    experts with bf16 weights keep them and take their products from bf16 parts of the activations on the tensor
+    cores (``split_matmul``: a few millionths from the exact product, a thousandth of a bf16 product's error; linear
+    layers only where it is faster than a cast; the experts through ``reference_experts``, which a graph captures)."""
     stored: dict[torch.nn.Parameter, torch.Tensor] = {}
 
     def cast(module, *_):
@@ -302,12 +304,19 @@ def computing_in(model: torch.nn.Module, dtype: torch.dtype):
         for param in module.parameters(recurse=False):
             param.data = stored.pop(param)
 
-    split = {m for m in model.modules() if dtype == torch.float32 and type(m) is torch.nn.Linear
-             and m.weight.dtype == torch.bfloat16 and m.weight.is_cuda and "forward" not in vars(m)}
+    def from_parts(module) -> bool:
+        weight = next(module.parameters(recurse=False), None)
+        return (dtype == torch.float32 and weight is not None and weight.dtype == torch.bfloat16 and weight.is_cuda
+                and "forward" not in vars(module))
+
+    split = {m: partial(split_matmul.fp32_linear, weight=m.weight, bias=m.bias) for m in model.modules()
+             if type(m) is torch.nn.Linear and from_parts(m)}
+    split.update({m: reference_experts.experts_forward(m) for m in model.modules()
+                  if from_parts(m) and swiglu_experts_problem(m) is None})
     owners = [m for m in model.modules() if m not in split and next(m.parameters(recurse=False), None) is not None]
     handles = [h for m in owners for h in (m.register_forward_pre_hook(cast), m.register_forward_hook(restore))]
-    for module in split:
-        module.forward = partial(split_matmul.fp32_linear, weight=module.weight, bias=module.bias)
+    for module, forward in split.items():
+        module.forward = forward
     try:
         yield
     finally:

@@ -1,0 +1,53 @@
+"""The MoE experts of the gate's fp32 reference on a GPU: in a decode step every expert runs on every token in two
+batched GEMMs and the routing weights (zero for an expert a token did not pick) sum them, instead of transformers'
+loop over the experts hit.
+
+That loop sizes itself on the host (``nonzero``), and transformers' grouped-GEMM path copies offsets from the host in
+fp32, so the reference's decode step could not be captured in a CUDA graph and ran eager: on qwen3-30b-a3b 38.4 s of
+an 83.4 s gate (session 6), each step also casting every layer's 2.4 GB of experts to fp32. At C=64 a step's 512 picks
+hit ~126 of 128 experts anyway, so computing all of them adds little work and needs no host. The weights stay bf16
+and the products come from bf16 parts of the fp32 activations (``split_matmul``), a few millionths from the exact
+ones. A prompt (more than DENSE_TOKENS tokens) loops over the experts it hits, with the same products.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optiq import split_matmul
+
+DENSE_TOKENS = 256  # a decode step has one token per sequence; prompts have thousands
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` in x's dtype: from bf16 parts on the tensor cores for a bf16 CUDA weight, else cast."""
+    if weight.dtype == torch.bfloat16 and weight.is_cuda and x.dtype == torch.float32:
+        return split_matmul.matmul(x, weight)
+    return x @ weight.to(x.dtype).transpose(-1, -2)
+
+
+def experts_forward(experts: torch.nn.Module):
+    """The call of a SwiGLU experts module (gate_up_proj [E, 2I, H], down_proj [E, H, I]): tokens [T, H], top-k
+    expert ids and routing weights [T, k] -> [T, H], computed in the tokens' dtype with the weights as they lie.
+    Ids equal to E pick no expert (transformers' convention for an expert that is not on this rank)."""
+
+    def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        gate, up = _product(x, gate_up).chunk(2, dim=-1)
+        return _product(experts.act_fn(gate) * up, down)
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, count = hidden_states.shape[0], experts.gate_up_proj.shape[0]
+        routing = hidden_states.new_zeros(tokens, count + 1).scatter_add_(
+            1, top_k_index, top_k_weights.to(hidden_states.dtype))[:, :count]  # [T, E]
+        if tokens <= DENSE_TOKENS:
+            every = swiglu(hidden_states, experts.gate_up_proj, experts.down_proj)  # [E, T, H]
+            return (every * routing.t().unsqueeze(-1)).sum(0)
+        out = torch.zeros_like(hidden_states)
+        picked = top_k_index.new_zeros(tokens, count + 1).scatter_(1, top_k_index, 1)[:, :count].bool()
+        for expert in picked.any(0).nonzero().flatten().tolist():
+            rows = picked[:, expert].nonzero().flatten()
+            y = swiglu(hidden_states[rows], experts.gate_up_proj[expert], experts.down_proj[expert])
+            out.index_add_(0, rows, y * routing[rows, expert, None])
+        return out
+
+    return forward

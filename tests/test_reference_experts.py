@@ -1,0 +1,71 @@
+"""The gate's fp32 reference experts: every expert on every token of a decode step, weighted by the routing, must
+compute what transformers' loop over the experts hit computes (here against that loop in float64)."""
+
+import copy
+
+import pytest
+import torch
+
+from optiq.models import load_model
+from optiq.reference_experts import DENSE_TOKENS, experts_forward
+from optiq.validation import computing_in
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 parts' products need CUDA")
+
+
+def _experts(preset: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    model = load_model(preset, dtype, torch.device(device))
+    return next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+
+
+def _routing(tokens: int, experts: int, k: int, seed: int, device: str):
+    """Top-k ids (distinct per token, one in eight the 'no expert' id E) and softmax weights."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(tokens, experts + 1, generator=g).argsort(-1)[:, :k]
+    ids[torch.rand(tokens, k, generator=g) < 0.125] = experts
+    weights = torch.rand(tokens, k, generator=g).softmax(-1)
+    return ids.to(device), weights.to(device)
+
+
+def _error(experts: torch.nn.Module, tokens: int, seed: int) -> float:
+    """The reference forward's relative error against transformers' eager loop over a float64 copy."""
+    device = experts.gate_up_proj.device
+    hidden = torch.randn(tokens, experts.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(seed))
+    hidden = hidden.to(device)
+    ids, weights = _routing(tokens, experts.gate_up_proj.shape[0], min(8, experts.gate_up_proj.shape[0] // 2), seed,
+                            device)
+    exact = copy.deepcopy(experts).double()
+    exact.config._experts_implementation = "eager"
+    with torch.inference_mode():
+        want = exact(hidden.double(), ids, weights.double())
+        got = experts_forward(experts)(hidden, ids, weights)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+@pytest.mark.parametrize("tokens", [1, 16, DENSE_TOKENS, DENSE_TOKENS + 1])  # decode steps (all experts at once),
+# then a prompt (a loop over the experts hit)
+def test_reference_experts_compute_transformers_loop(preset, tokens):
+    assert _error(_experts(preset, torch.float32, "cpu"), tokens, seed=tokens) < 1e-6
+
+
+@cuda
+@pytest.mark.parametrize("tokens", [1, 64, DENSE_TOKENS + 3])
+def test_reference_experts_from_bf16_parts_at_qwen3_30b_a3b_shapes(tokens):
+    """128 experts of 2048 x 768 with bf16 weights: the split products' few millionths (session 6: 2-4.4e-6)."""
+    config = load_model("tiny-qwen3-moe", torch.bfloat16, torch.device("cpu")).config
+    config.hidden_size, config.moe_intermediate_size, config.num_experts = 2048, 768, 128
+    experts = type(_experts("tiny-qwen3-moe", torch.bfloat16, "cpu"))(config).to("cuda", torch.bfloat16)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.02, generator=torch.Generator("cuda").manual_seed(0))
+    torch.nn.init.normal_(experts.down_proj, std=0.02, generator=torch.Generator("cuda").manual_seed(1))
+    assert _error(experts, tokens, seed=tokens) < 1e-5
+
+
+@cuda
+def test_computing_in_fp32_keeps_the_experts_bf16_and_captures_a_decode_step():
+    model = load_model("tiny-qwen3-moe", torch.bfloat16, torch.device("cuda"))
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    with computing_in(model, torch.float32):
+        assert all("forward" in vars(m) and m.gate_up_proj.dtype == torch.bfloat16 for m in experts)
+    assert all("forward" not in vars(m) for m in experts)
