@@ -92,10 +92,14 @@ def _rows(report: dict, state: str, compiled: bool = False) -> dict[int, dict]:
 def time_to_optimized(report: dict) -> tuple[float, float | None] | None:
     """Seconds from the loaded model to the optimized one serving (patch + gate + the after graphs' capture), and
     torch.compile's warm-up at the same concurrencies when it was measured: the wait a user trades for the speed."""
-    timings = report.get("timings") or {}
+    return optimization_wait(report.get("timings") or {}, list(_rows(report, "before", compiled=True).values()))
+
+
+def optimization_wait(timings: dict, compiled_rows: list[dict]) -> tuple[float, float | None] | None:
+    """``time_to_optimized`` from a fusion's timings and torch.compile's rows (``optiq bench --recipes`` has both)."""
     if not all(k in timings for k in ("patch_s", "gate_s", "capture_s")):
         return None
-    compiled = [r.get("warmup_s") for r in _rows(report, "before", compiled=True).values()]
+    compiled = [r.get("warmup_s") for r in compiled_rows]
     warmup = sum(compiled) if compiled and None not in compiled else None
     return timings["patch_s"] + timings["gate_s"] + timings["capture_s"], warmup
 

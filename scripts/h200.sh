@@ -5,6 +5,8 @@
 #                  defaults to compile; COMPARE= leaves it out, for a model whose compile warm-up fills a call)
 #                  (C=1,16,64, prompt 512, 128 new tokens, cache 1024, 3 repeats)
 #   profile:MODEL  optiq profile --model MODEL --concurrency 64
+#   row:MODEL      optiq bench --model MODEL --compare $PEERS --recipes auto on workload W1: one row of the issue-6
+#                  table in one run (PEERS defaults to eager,compile; PEERS=compile leaves out HF eager)
 #   rope           scripts/rope_rounding.py: which rounding the rope kernel does on the GPU
 #   bench:F[,F]    scripts/bench_fusions.py for those fusions (e.g. bench:moe_experts,mla_decode) into $OUT
 #   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear) under fixed tile configs against its heuristic
@@ -19,6 +21,7 @@
 set -uo pipefail
 STAGE_S=${STAGE_S:-480}
 COMPARE=${COMPARE-compile}
+PEERS=${PEERS:-eager,compile}
 CALL_S=${CALL_S:-570}
 limit() {  # seconds a stage may run: its own limit, or what the call has left if that is less
   local left=$(( CALL_S - SECONDS ))
@@ -75,6 +78,8 @@ for stage in "$@"; do
     gate-profile:*) spec=${stage#gate-profile:}
                     timeout "$(limit "$STAGE_S")" python3 scripts/gate_profile.py "${spec%%=*}" "${spec#*=}" \
                       "$OUT/gate_profile_${spec%%=*}.txt" 2>&1 | tee -a $OUT/log.txt ;;
+    row:*) timeout "$(limit "$STAGE_S")" python3 -m optiq bench --model "${stage#row:}" --compare "$PEERS" \
+             --recipes auto --runs-dir "$OUT/runs/${stage#row:}-row" 2>&1 | tee -a $OUT/log.txt ;;
     profile:*) timeout "$(limit "$STAGE_S")" python3 -m optiq profile --model "${stage#profile:}" --concurrency 64 \
                  --top 1 --runs-dir "$OUT/runs/${stage#profile:}-profile" 2>&1 | tee -a $OUT/log.txt ;;
   esac

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from optiq.bench import Workload, sweep
 from optiq.cli import cli
+from optiq.errors import EXIT_GATE_REJECTED_ALL
 from optiq.models import load_model
 
 FAST = ["--model", "tiny-llama", "--prompt-len", "8", "--new-tokens", "4", "--max-len", "32", "--repeats", "2"]
@@ -98,3 +99,47 @@ def test_a_failing_peer_is_recorded_and_the_sweep_goes_on():
     assert [(r["variant"], r["status"]) for r in rows] == [
         ("eager", "ok"), ("eager", "ok"), ("compile+eager", "failed"), ("compile+eager", "failed")]
     assert rows[2]["error"] == "RuntimeError: inductor gave up"
+
+
+def test_recipes_add_the_gated_optiq_variant_beside_the_baseline(tmp_path):
+    """One run: the unpatched model, then the model fused with the named recipes, each gated, with its wait."""
+    result = run_cli("bench", *FAST, "--concurrency", "1,2", "--recipes", "rmsnorm,greedy_sample", "--gate-steps", "3",
+                     "--json", "--runs-dir", str(tmp_path))
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert [(r["variant"], r["concurrency"], r["status"]) for r in doc["rows"]] == [
+        ("eager", 1, "ok"), ("eager", 2, "ok"), ("optiq+eager", 1, "ok"), ("optiq+eager", 2, "ok")]
+    fusion = doc["fusion"]
+    assert fusion["applied"] == ["rmsnorm", "greedy_sample"] and fusion["rolled_back"] == []
+    assert all(r["passed"] for r in fusion["gate"]["recipes"].values())
+    assert [e["concurrency"] for e in fusion["gate"]["end_to_end"]] == [1, 2]
+    timings = fusion["timings"]
+    assert doc["time_to_optimized"] == {"optimized_s": pytest.approx(timings["patch_s"] + timings["gate_s"] +
+                                                                     timings["capture_s"]),
+                                        "compile_warmup_s": None, "ratio": None}
+    saved = json.loads((tmp_path / doc["run_dir"].rsplit("/", 1)[-1] / "results.json").read_text())
+    assert saved == doc
+
+
+def test_a_recipe_the_gate_rejects_is_not_measured_and_exits_3(tmp_path):
+    from wrong_kernels import user_recipe
+
+    user_recipe(tmp_path / "mine", "rmsnorm", "eps_less_norm", fusion="wrong_kernels:norm_without_eps")
+    result = run_cli("bench", *FAST, "--concurrency", "1", "--recipes", "eps_less_norm", "--recipes-dir",
+                     str(tmp_path / "mine"), "--gate-steps", "3", "--runs-dir", str(tmp_path / "runs"))
+    assert result.exit_code == EXIT_GATE_REJECTED_ALL, result.stderr
+    assert "rolled back eps_less_norm" in result.stdout and "optiq+" not in result.stdout
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    doc = json.loads((run_dir / "results.json").read_text())
+    assert [r["variant"] for r in doc["rows"]] == ["eager"] and doc["fusion"]["rolled_back"] == ["eps_less_norm"]
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "rejected"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--recipes", "warp_drive"], "unknown recipe(s) warp_drive"),
+    (["--compare", "eager,vllm"], "vllm: choose from eager, compile"),
+])
+def test_bad_recipes_or_peers_fail_before_any_work(tmp_path, args, message):
+    result = run_cli("bench", *FAST, *args, "--runs-dir", str(tmp_path))
+    assert result.exit_code in (1, 2) and message in result.stderr and "Traceback" not in result.stderr
+    assert not any(tmp_path.iterdir())  # nothing was measured, so no run directory

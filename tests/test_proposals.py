@@ -86,7 +86,7 @@ def test_the_router_is_proposed_once_although_two_recipes_patch_it(catalog, tmp_
     ranks first."""
     import torch
 
-    from optiq.commands.apply_fusion import choose_recipes
+    from optiq.fusing import choose_recipes
     from optiq.models import load_model
     from optiq.profiling import profile_step
 

@@ -77,15 +77,33 @@ def workload_defaults(device, gpu_concurrency: str = "1,16,64", **given) -> tupl
     return tuple(defaults[key] if value is None else value for key, value in given.items())
 
 
-def measurement_options(compare_help: str):
-    """--repeats, --mode and --compare, shared by the commands that measure throughput."""
+def measurement_options(compare_help: str, peers: tuple[str, ...] = ("compile",)):
+    """--repeats, --mode and --compare (a comma-separated list of ``peers``), shared by the commands that measure
+    throughput; --compare arrives as a tuple of names."""
+    def parse_peers(ctx, param, value):
+        names = tuple(dict.fromkeys(n.strip() for n in (value or "").split(",") if n.strip()))
+        unknown = [n for n in names if n not in peers]
+        if unknown:
+            raise click.BadParameter(f"{', '.join(unknown)}: choose from {', '.join(peers)}")
+        return names
+
     def decorate(func):
-        func = click.option("--compare", type=click.Choice(["compile"]), default=None, help=compare_help)(func)
+        func = click.option("--compare", default=None, callback=parse_peers, metavar="|".join(peers),
+                            help=compare_help)(func)
         func = click.option("--mode", type=click.Choice(["eager", "graph"]), default=None,
                             help="eager, or graph: one CUDA graph per concurrency (default on CUDA).")(func)
         return click.option("--repeats", default=3, show_default=True,
                             help="Timed repeats of the decode; the median is reported.")(func)
     return decorate
+
+
+def gate_options(func):
+    """--gate-steps and --min-share, shared by the commands that fuse (apply-fusion, bench --recipes)."""
+    func = click.option("--min-share", default=0.25, show_default=True,
+                        help="auto: take proposals that cover at least this % of the step at some concurrency (of "
+                             "the unpatched step: llama-3.1-8b's argmax is 0.45% of it, 0.8% of the fused one).")(func)
+    return click.option("--gate-steps", default=64, show_default=True, type=click.IntRange(1),
+                        help="Teacher-forced decode steps of the end-to-end check, at every concurrency.")(func)
 
 
 def stop_interrupted(run, what: str, **progress) -> None:
