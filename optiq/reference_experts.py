@@ -7,7 +7,9 @@ fp32, so the reference's decode step could not be captured in a CUDA graph and r
 an 83.4 s gate (session 6), each step also casting every layer's 2.4 GB of experts to fp32. At C=64 a step's 512 picks
 hit ~126 of 128 experts anyway, so computing all of them adds little work and needs no host. The weights stay bf16
 and the products come from bf16 parts of the fp32 activations (``split_matmul``), a few millionths from the exact
-ones. A prompt (more than DENSE_TOKENS tokens) loops over the experts it hits, with the same products.
+ones. A prompt (more than DENSE_TOKENS tokens) loops over the experts it hits, with the same products. The gate's
+float64 reference of a module that holds experts (moe_experts, a decoder layer) runs them so too, on float64 copies:
+transformers' loop synchronises with the host several times per expert hit.
 """
 
 from __future__ import annotations
@@ -42,12 +44,19 @@ def experts_forward(experts: torch.nn.Module):
         if tokens <= DENSE_TOKENS:
             every = swiglu(hidden_states, experts.gate_up_proj, experts.down_proj)  # [E, T, H]
             return (every * routing.t().unsqueeze(-1)).sum(0)
+        # A prompt: its (token, pick) pairs sorted by expert, then one GEMM pair per expert hit (one host sync).
         out = torch.zeros_like(hidden_states)
-        picked = top_k_index.new_zeros(tokens, count + 1).scatter_(1, top_k_index, 1)[:, :count].bool()
-        for expert in picked.any(0).nonzero().flatten().tolist():
-            rows = picked[:, expert].nonzero().flatten()
-            y = swiglu(hidden_states[rows], experts.gate_up_proj[expert], experts.down_proj[expert])
-            out.index_add_(0, rows, y * routing[rows, expert, None])
+        ids = top_k_index.flatten()
+        order = ids.argsort(stable=True)
+        counts = torch.bincount(ids, minlength=count + 1)[:count].tolist()
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                pairs = order[start:start + n]
+                rows = pairs // top_k_index.shape[1]
+                y = swiglu(hidden_states[rows], experts.gate_up_proj[expert], experts.down_proj[expert])
+                out.index_add_(0, rows, y * routing[rows, expert, None])
+            start += n
         return out
 
     return forward

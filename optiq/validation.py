@@ -175,15 +175,20 @@ def _recorder(kind: str, original: Any, calls: list) -> Any:
 
 
 def _reference(original: Callable) -> Callable:
-    """The original path in float64: a module's forward runs on a float64 copy of the module (MoE experts through
-    transformers' eager loop, as grouped GEMMs have no float64 kernel)."""
+    """The original path in float64: a module's forward runs on a float64 copy of the module (SwiGLU MoE experts
+    through ``reference_experts``, other experts through transformers' eager loop: grouped GEMMs have no float64
+    kernel)."""
     owner = getattr(original, "__self__", None)
     if not isinstance(owner, torch.nn.Module):
         return original
     double = copy.deepcopy(owner).to(torch.float64)
     for module in double.modules():
-        if hasattr(getattr(module, "config", None), "_experts_implementation"):
+        if swiglu_experts_problem(module) is None:
+            module.forward = reference_experts.experts_forward(module)
+        elif hasattr(getattr(module, "config", None), "_experts_implementation"):
             module.config._experts_implementation = "eager"
+    if "forward" in vars(double) and original.__name__ == "forward":
+        return double.forward
     return original.__func__.__get__(double)
 
 

@@ -19,10 +19,9 @@ def _experts(preset: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
 
 
 def _routing(tokens: int, experts: int, k: int, seed: int, device: str):
-    """Top-k ids (distinct per token, one in eight the 'no expert' id E) and softmax weights."""
+    """Top-k ids (distinct per token) and softmax weights."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.rand(tokens, experts + 1, generator=g).argsort(-1)[:, :k]
-    ids[torch.rand(tokens, k, generator=g) < 0.125] = experts
+    ids = torch.rand(tokens, experts, generator=g).argsort(-1)[:, :k]
     weights = torch.rand(tokens, k, generator=g).softmax(-1)
     return ids.to(device), weights.to(device)
 
@@ -48,6 +47,19 @@ def _error(experts: torch.nn.Module, tokens: int, seed: int) -> float:
 # then a prompt (a loop over the experts hit)
 def test_reference_experts_compute_transformers_loop(preset, tokens):
     assert _error(_experts(preset, torch.float32, "cpu"), tokens, seed=tokens) < 1e-6
+
+
+@pytest.mark.parametrize("tokens", [4, DENSE_TOKENS + 1])
+def test_the_id_of_no_expert_adds_nothing(tokens):
+    """transformers 5.24 marks a pick of an expert on another rank with id E; such a pick must count for nothing."""
+    experts = _experts("tiny-qwen3-moe", torch.float32, "cpu")
+    hidden = torch.randn(tokens, experts.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(tokens))
+    ids, weights = _routing(tokens, experts.gate_up_proj.shape[0], 4, tokens, "cpu")
+    gone = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) < 0.25
+    with torch.inference_mode():
+        got = experts_forward(experts)(hidden, ids.masked_fill(gone, experts.gate_up_proj.shape[0]), weights)
+        want = experts_forward(experts)(hidden, ids, weights.masked_fill(gone, 0.0))
+    assert gone.any() and torch.allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 @cuda
