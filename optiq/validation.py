@@ -174,22 +174,28 @@ def _recorder(kind: str, original: Any, calls: list) -> Any:
     return record_attention, record_mask
 
 
-def _reference(original: Callable) -> Callable:
+@contextmanager
+def _reference(original: Callable):
     """The original path in float64: a module's forward runs on a float64 copy of the module (SwiGLU MoE experts
     through ``reference_experts``, other experts through transformers' eager loop: grouped GEMMs have no float64
-    kernel)."""
+    kernel). On exit the experts' forwards are dropped: each holds its module, a cycle that would keep every site's
+    float64 copy (4.8 GB for a qwen3-30b-a3b layer) alive until a garbage collection."""
     owner = getattr(original, "__self__", None)
     if not isinstance(owner, torch.nn.Module):
-        return original
+        yield original
+        return
     double = copy.deepcopy(owner).to(torch.float64)
     for module in double.modules():
         if swiglu_experts_problem(module) is None:
             module.forward = reference_experts.experts_forward(module)
         elif hasattr(getattr(module, "config", None), "_experts_implementation"):
             module.config._experts_implementation = "eager"
-    if "forward" in vars(double) and original.__name__ == "forward":
-        return double.forward
-    return original.__func__.__get__(double)
+    try:
+        yield double.forward if "forward" in vars(double) and original.__name__ == "forward" else \
+            original.__func__.__get__(double)
+    finally:
+        for module in double.modules():
+            vars(module).pop("forward", None)
 
 
 def sorted_by_id(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -257,37 +263,38 @@ def _gate(patches: Patches, name: str, sites: list[tuple[Site, list]]) -> Recipe
     with patches.suspended():
         for site, calls in sites:
             original, fused = _callable(site, kind, site.original), _callable(site, kind, site.replacement)
-            reference = _callable(site, kind, _reference(site.original))
-            for args, kwargs in calls:
-                result.calls += 1
-                want = _tensors(reference(*_fresh(args, torch.float64), **_fresh(kwargs, torch.float64)))
-                unfused = _tensors(original(*_fresh(args), **_fresh(kwargs)))
-                try:
-                    runs = [_tensors(fused(*_fresh(args), **_fresh(kwargs))) for _ in range(2)]
-                except Exception as exc:  # a user's kernel may fail in any way; the recipe fails, the run goes on
-                    return RecipeResult(name, tolerance, False, f"{site.label}: the fused path raised "
-                                        f"{type(exc).__name__}: {exc}", result.calls, site=site.label)
-                err_unfused = _error(unfused, want)
-                err_fused = max(_error(run, want) for run in runs)
-                bound = _bound(tolerance, dtype, err_unfused)
-                if tolerance == "exact":
-                    ok = all(_error(run, unfused) == 0.0 and all(torch.equal(a, b) for a, b in zip(run, unfused))
-                             for run in runs)
-                else:
-                    ok = err_fused <= bound
-                excess = err_fused - bound
-                if not ok or excess > worst:
-                    worst = excess if ok else float("inf")
-                    result.err_fused, result.err_unfused, result.bound, result.site = (err_fused, err_unfused,
-                                                                                       bound, site.label)
-                if not ok:
-                    result.passed = False
-                    rule = ("not bit-identical to the unfused path" if tolerance == "exact" else
-                            f"error {err_fused:.3g} > {GATE[tolerance][0]:g} x unfused {err_unfused:.3g} + floor "
-                            f"= {bound:.3g}")
-                    second = " on its second run" if _error(runs[0], want) <= bound < err_fused else ""
-                    result.reason = f"{site.label} (call {result.calls}){second}: {rule}"
-                    return result
+            with _reference(site.original) as exact:
+                reference = _callable(site, kind, exact)
+                for args, kwargs in calls:
+                    result.calls += 1
+                    want = _tensors(reference(*_fresh(args, torch.float64), **_fresh(kwargs, torch.float64)))
+                    unfused = _tensors(original(*_fresh(args), **_fresh(kwargs)))
+                    try:
+                        runs = [_tensors(fused(*_fresh(args), **_fresh(kwargs))) for _ in range(2)]
+                    except Exception as exc:  # a user's kernel may fail in any way; the recipe fails, the run goes on
+                        return RecipeResult(name, tolerance, False, f"{site.label}: the fused path raised "
+                                            f"{type(exc).__name__}: {exc}", result.calls, site=site.label)
+                    err_unfused = _error(unfused, want)
+                    err_fused = max(_error(run, want) for run in runs)
+                    bound = _bound(tolerance, dtype, err_unfused)
+                    if tolerance == "exact":
+                        ok = all(_error(run, unfused) == 0.0 and all(torch.equal(a, b) for a, b in zip(run, unfused))
+                                 for run in runs)
+                    else:
+                        ok = err_fused <= bound
+                    excess = err_fused - bound
+                    if not ok or excess > worst:
+                        worst = excess if ok else float("inf")
+                        result.err_fused, result.err_unfused, result.bound, result.site = (err_fused, err_unfused,
+                                                                                           bound, site.label)
+                    if not ok:
+                        result.passed = False
+                        rule = ("not bit-identical to the unfused path" if tolerance == "exact" else
+                                f"error {err_fused:.3g} > {GATE[tolerance][0]:g} x unfused {err_unfused:.3g} + floor "
+                                f"= {bound:.3g}")
+                        second = " on its second run" if _error(runs[0], want) <= bound < err_fused else ""
+                        result.reason = f"{site.label} (call {result.calls}){second}: {rule}"
+                        return result
     return result
 
 
