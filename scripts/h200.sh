@@ -6,7 +6,8 @@
 #                  (C=1,16,64, prompt 512, 128 new tokens, cache 1024, 3 repeats)
 #   profile:MODEL  optiq profile --model MODEL --concurrency 64
 #   row:MODEL      optiq bench --model MODEL --compare $PEERS --recipes auto on workload W1: one row of the issue-6
-#                  table in one run (PEERS defaults to eager,compile; PEERS=compile leaves out HF eager)
+#                  table in one run (PEERS defaults to eager,compile; PEERS=compile leaves out HF eager; ROW_C
+#                  sets the concurrencies, 1,16,64 by default)
 #   rope           scripts/rope_rounding.py: which rounding the rope kernel does on the GPU
 #   bench:F[,F]    scripts/bench_fusions.py for those fusions (e.g. bench:moe_experts,mla_decode) into $OUT
 #   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear) under fixed tile configs against its heuristic
@@ -79,6 +80,7 @@ for stage in "$@"; do
                     timeout "$(limit "$STAGE_S")" python3 scripts/gate_profile.py "${spec%%=*}" "${spec#*=}" \
                       "$OUT/gate_profile_${spec%%=*}.txt" 2>&1 | tee -a $OUT/log.txt ;;
     row:*) timeout "$(limit "$STAGE_S")" python3 -m optiq bench --model "${stage#row:}" --compare "$PEERS" \
+             --concurrency "${ROW_C:-1,16,64}" \
              --recipes auto --runs-dir "$OUT/runs/${stage#row:}-row" 2>&1 | tee -a $OUT/log.txt ;;
     profile:*) timeout "$(limit "$STAGE_S")" python3 -m optiq profile --model "${stage#profile:}" --concurrency 64 \
                  --top 1 --runs-dir "$OUT/runs/${stage#profile:}-profile" 2>&1 | tee -a $OUT/log.txt ;;
