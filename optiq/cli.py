@@ -5,6 +5,7 @@ one line and an exit code."""
 from __future__ import annotations
 
 import importlib
+import signal
 
 import click
 
@@ -51,7 +52,8 @@ HELP = """optiq: make LLM decode fast by measurement.
 
 \b
 Exit codes: 0 ok, 1 user error (bad model, trace, recipe or flag value), 2 usage (unknown flag),
-3 apply-fusion's validation gate rejected every recipe, 130 interrupted (results so far kept, run marked incomplete).
+3 the validation gate rejected every recipe, 130 interrupted by Ctrl-C or SIGTERM (results so far kept,
+run marked incomplete).
 """
 
 
@@ -61,5 +63,11 @@ def cli():
     pass
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    # SIGTERM (timeout, a scheduler, a container stopping) ends a run as Ctrl-C does: kept, marked incomplete.
+    signal.signal(signal.SIGTERM, _interrupt)
     cli(prog_name="optiq")

@@ -63,8 +63,9 @@ def gate_settings(concurrencies: list[int], steps: int, prompt_len: int, max_len
 def fuse(model: torch.nn.Module, catalog: dict, names: list[str], record: dict, gate: dict,
          choose_again: Callable[[list[str]], list[str]] | None = None, on_round: Callable[[], None] = lambda: None,
          status: Callable = lambda text: nullcontext()) -> Patches:
-    """Patch ``model`` with recipes ``names`` and gate them (``gate``: gate_settings); ``record`` (new_record) adds up every round's timings and verdicts, and ``on_round`` runs after each (to
-    save). After a round that rolled something back, ``choose_again(rolled_back)`` may name a new set to try."""
+    """Patch ``model`` with recipes ``names`` and gate them (``gate``: gate_settings); ``record`` (new_record) adds
+    up every round's timings and verdicts, and ``on_round`` runs after each (to save). After a round that rolled
+    something back, ``choose_again(rolled_back)`` may name a new set to try."""
     timings = record["timings"]
     while True:
         started = time.perf_counter()

@@ -1,5 +1,5 @@
-"""Ctrl-C in the middle of a real `optiq bench` sweep or `optiq profile` keeps what was measured and marks the run
-incomplete."""
+"""Ctrl-C (or SIGTERM, as `timeout` sends) in the middle of a real `optiq bench` sweep or `optiq profile` keeps what
+was measured and marks the run incomplete."""
 
 import json
 import signal
@@ -7,8 +7,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 
-def test_sigint_mid_sweep_keeps_finished_points(tmp_path):
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_mid_sweep_keeps_finished_points(tmp_path, stop):
     runs = tmp_path / "runs"
     # Many concurrencies, each a few hundred ms on the CPU: the interrupt lands mid-sweep.
     args = [sys.executable, "-m", "optiq", "bench", "--model", "tiny-llama", "--concurrency", ",".join(["1"] * 40),
@@ -23,7 +26,7 @@ def test_sigint_mid_sweep_keeps_finished_points(tmp_path):
             break
         time.sleep(0.05)
     assert results is not None, proc.communicate()[1]
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(stop)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr and "Traceback" not in stderr
