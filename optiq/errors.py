@@ -3,7 +3,7 @@
 EXIT_OK = 0
 EXIT_USER_ERROR = 1  # bad input: unknown model, bad trace, bad recipe, ...
 EXIT_USAGE = 2  # click's own code for bad flags
-EXIT_GATE_REJECTED_ALL = 3  # apply-fusion: every recipe failed validation
+EXIT_GATE_REJECTED_ALL = 3  # apply-fusion, bench --recipes: every recipe failed validation
 EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM; what was measured is on disk, the run says "incomplete"
 
 

@@ -47,6 +47,16 @@ def proposals(catalog: dict, kernels: dict[int, object], model_type: str, reject
     return {c: propose(candidates, k, model_type) for c, k in kernels.items()}
 
 
+def choose_again(requested: str, catalog: dict, kernels: dict[int, object], model_type: str,
+                 min_share: float) -> Callable[[list[str]], list[str]] | None:
+    """For ``fuse``: with ``auto``, the proposals chosen again without the recipes the gate rolled back (one may have
+    kept a rival out); named recipes are never replaced."""
+    if requested != "auto":
+        return None
+    return lambda rejected: choose_recipes(requested, catalog, proposals(catalog, kernels, model_type, rejected),
+                                           min_share)
+
+
 def new_record() -> dict:
     """What a fusion leaves for the report: applied, rolled back, not applicable, the gate's verdicts, timings."""
     return {"applied": [], "not_applicable": {}, "rolled_back": [], "gate": {"recipes": {}, "end_to_end": []},
@@ -61,11 +71,11 @@ def gate_settings(concurrencies: list[int], steps: int, prompt_len: int, max_len
 
 
 def fuse(model: torch.nn.Module, catalog: dict, names: list[str], record: dict, gate: dict,
-         choose_again: Callable[[list[str]], list[str]] | None = None, on_round: Callable[[], None] = lambda: None,
+         rechoose: Callable[[list[str]], list[str]] | None = None, on_round: Callable[[], None] = lambda: None,
          status: Callable = lambda text: nullcontext()) -> Patches:
     """Patch ``model`` with recipes ``names`` and gate them (``gate``: gate_settings); ``record`` (new_record) adds
     up every round's timings and verdicts, and ``on_round`` runs after each (to save). After a round that rolled
-    something back, ``choose_again(rolled_back)`` may name a new set to try."""
+    something back, ``rechoose(rolled_back)`` (choose_again) may name a new set to try."""
     timings = record["timings"]
     while True:
         started = time.perf_counter()
@@ -84,9 +94,9 @@ def fuse(model: torch.nn.Module, catalog: dict, names: list[str], record: dict, 
         record["rolled_back"] += verdict.rolled_back
         record["applied"] = list(patches.applied)
         on_round()
-        if not verdict.rolled_back or choose_again is None:
+        if not verdict.rolled_back or rechoose is None:
             return patches
-        again = choose_again(record["rolled_back"])
+        again = rechoose(record["rolled_back"])
         if not set(again) - set(names):
             return patches
         unpatch(model)

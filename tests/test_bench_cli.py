@@ -143,3 +143,10 @@ def test_bad_recipes_or_peers_fail_before_any_work(tmp_path, args, message):
     result = run_cli("bench", *FAST, *args, "--runs-dir", str(tmp_path))
     assert result.exit_code in (1, 2) and message in result.stderr and "Traceback" not in result.stderr
     assert not any(tmp_path.iterdir())  # nothing was measured, so no run directory
+
+
+def test_command_modules_leave_triton_unimported():
+    """On a CPU the commands choose Triton's interpreter before triton is imported; importing them must not."""
+    code = ("import sys, optiq.commands.bench, optiq.commands.apply_fusion, optiq.commands.profile; "
+            "sys.exit('triton' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -41,7 +41,8 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
     from optiq.bench import Workload, compiled_forward, free_memory
     from optiq.commands.bench import environment, sweep_with_progress
     from optiq.models import default_dtype, default_preset, load_model, resolve_dtype
-    from optiq.fusing import PROFILED_STEPS, choose_recipes, fuse, gate_settings, new_record, proposals
+    from optiq.fusing import (PROFILED_STEPS, choose_again, choose_recipes, fuse, gate_settings, new_record,
+                              proposals)
     from optiq.profiling import profile_step
     from optiq.recipes import load_catalog
     from optiq.roofline import copy_bandwidth
@@ -107,11 +108,9 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
             variants.append((f"compile+{mode}", mode, compiled_forward(model)))
         measure("before", variants)
 
-        patches = fuse(model, catalog, names, report, gate_settings(concurrencies, gate_steps, prompt_len, max_len,
-                                                                     mode),
-                       choose_again=None if requested != "auto" else lambda rejected: choose_recipes(
-                           requested, catalog, proposals(catalog, kernels, model.config.model_type, rejected),
-                           min_share),
+        patches = fuse(model, catalog, names, report,
+                       gate_settings(concurrencies, gate_steps, prompt_len, max_len, mode),
+                       choose_again(requested, catalog, kernels, model.config.model_type, min_share),
                        on_round=save, status=err.status)
         if patches.applied:
             measure("after", [(mode, mode, None)], engine_patches=patches)

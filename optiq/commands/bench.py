@@ -107,8 +107,8 @@ every point; Ctrl-C keeps what was measured and marks it incomplete. Exit code 3
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON document.")
 def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_len, repeats, mode, compare, requested,
           recipes_dir, gate_steps, min_share, runs_dir, as_json):
-    device, mode = resolve_device_and_mode(device, mode)
-    from optiq.fusing import PROFILED_STEPS, choose_recipes, fuse, gate_settings, new_record, proposals
+    device, mode = resolve_device_and_mode(device, mode)  # first: it picks Triton's interpreter on the CPU
+    from optiq.fusing import PROFILED_STEPS, choose_again, choose_recipes, fuse, gate_settings, new_record, proposals
 
     model_spec = model_spec or default_preset(device)
     concurrency, prompt_len, new_tokens, max_len = workload_defaults(
@@ -170,9 +170,7 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
                 raise OptiqError(f"no recipe to apply: no proposal covers {min_share}% of the step")
             patches = fuse(model, catalog, names, fusion,
                            gate_settings(concurrencies, gate_steps, prompt_len, max_len, mode),
-                           choose_again=None if requested != "auto" else lambda rejected: choose_recipes(
-                               requested, catalog, proposals(catalog, kernels, model.config.model_type, rejected),
-                               min_share),
+                           choose_again(requested, catalog, kernels, model.config.model_type, min_share),
                            on_round=save, status=err.status)
             if patches.applied:
                 sweep_with_progress(f"{model_spec} optiq", model, concurrencies, workload,
