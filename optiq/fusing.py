@@ -91,6 +91,7 @@ def fuse(model: torch.nn.Module, catalog: dict, names: list[str], record: dict, 
             timings[key] = timings.get(key, 0.0) + seconds
         record["gate"]["recipes"].update({n: asdict(r) for n, r in verdict.recipes.items()})
         record["gate"]["end_to_end"] = [asdict(e) for e in verdict.end_to_end]
+        record["gate"]["reference_mode"] = verdict.reference_mode
         record["rolled_back"] += verdict.rolled_back
         record["applied"] = list(patches.applied)
         on_round()

@@ -98,6 +98,8 @@ class Validation:
     baseline_seconds: float = 0.0  # all the decodes every end-to-end check compares with: reference and unpatched
     reference_seconds: float = 0.0  # the part of baseline_seconds in the fp32 reference decode of a half-precision
     # model (0 for an fp32 model, whose reference is its unpatched decode)
+    reference_mode: str = ""  # the engine mode that reference decoded in: the gate's, or eager where a step of it
+    # could not be captured
 
     @property
     def passed(self) -> bool:
@@ -409,9 +411,9 @@ def _distance(model: torch.nn.Module, b: Baseline, changes: list[Change], engine
 
 
 def baselines(patches: Patches, concurrencies, steps: int, prompt_len: int, seed: int,
-              mode: str) -> tuple[dict[int, Baseline], float]:
+              mode: str) -> tuple[dict[int, Baseline], float, str]:
     """The baselines of every concurrency, computed once per gate (every recipe set is checked against the same),
-    and the seconds of the fp32 reference decode among them. The prompt at concurrency C is the first C sequences of
+    the seconds of the fp32 reference decode among them and the engine mode it decoded in. The prompt at concurrency C is the first C sequences of
     the largest one's, so for a half-precision model one fp32 reference decode, at the largest concurrency, serves
     all (a sequence's logits do not depend on its batch's other sequences). It runs in the gate's engine mode: in
     graph mode its steps replay one captured step, fp32 weight casts included, instead of launching ~10 kernels per
@@ -419,13 +421,14 @@ def baselines(patches: Patches, concurrencies, steps: int, prompt_len: int, seed
     model = patches.model
     dtype = next(model.parameters()).dtype
     prompts = _prompt(model, max(concurrencies), prompt_len, seed).to(next(model.parameters()).device)
-    reference_seconds = 0.0
+    reference_seconds, reference_mode = 0.0, mode
     with torch.inference_mode(), patches.suspended():
         if dtype != torch.float32:
             started = time.perf_counter()
             try:
                 want_all, picks_all = _decode(model, prompts, steps, None, [], [], mode, dtype=torch.float32)
-            except CaptureError:  # e.g. transformers' grouped-GEMM experts loop over host-side offsets in fp32
+            except CaptureError:  # a step that synchronises with the host, such as a model's own fp32 MoE loop
+                reference_mode = "eager"
                 want_all, picks_all = _decode(model, prompts, steps, None, [], [], "eager", dtype=torch.float32)
             if prompts.device.type == "cuda":  # the decode only queued its kernels
                 torch.cuda.synchronize(prompts.device)
@@ -442,7 +445,7 @@ def baselines(patches: Patches, concurrencies, steps: int, prompt_len: int, seed
             found[concurrency] = b = Baseline(prompt, want, picks, want_norm)
             if dtype != torch.float32:
                 b.rel_err_unpatched, b.top1_unpatched = _distance(model, b, [], [], mode)
-    return found, reference_seconds
+    return found, reference_seconds, reference_mode
 
 
 def end_to_end(patches: Patches, names: list[str], found: dict[int, Baseline], mode: str = "eager") -> list[EndToEnd]:
@@ -491,7 +494,8 @@ def validate(patches: Patches, concurrencies=(1, 4), steps: int = 64, prompt_len
     if not kept:
         return report
     started = time.perf_counter()
-    found, report.reference_seconds = baselines(patches, concurrencies, steps, prompt_len, seed, mode)
+    found, report.reference_seconds, report.reference_mode = baselines(patches, concurrencies, steps, prompt_len,
+                                                                       seed, mode)
     report.baseline_seconds = time.perf_counter() - started
 
     def check(names: list[str]) -> list[EndToEnd]:

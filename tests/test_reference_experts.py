@@ -77,7 +77,7 @@ def test_reference_experts_from_bf16_parts_at_qwen3_30b_a3b_shapes(tokens):
 
 
 @cuda
-def test_computing_in_fp32_keeps_the_experts_bf16_and_captures_a_decode_step():
+def test_computing_in_fp32_on_a_gpu_keeps_the_experts_bf16():
     model = load_model("tiny-qwen3-moe", torch.bfloat16, torch.device("cuda"))
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
     with computing_in(model, torch.float32):

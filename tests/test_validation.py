@@ -81,7 +81,7 @@ def test_bf16_model_is_gated_against_itself_computing_in_fp32():
     assert report.passed, report
     (check,) = report.end_to_end
     assert 0 < check.rel_err_unpatched < 0.05 and check.rel_err <= check.bound
-    assert 0 < report.reference_seconds < report.baseline_seconds
+    assert 0 < report.reference_seconds < report.baseline_seconds and report.reference_mode == "eager"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="graph mode needs CUDA")
@@ -92,6 +92,7 @@ def test_graph_mode_gate_checks_the_captured_patched_model(preset):
     report = validate(patches, concurrencies=(1, 16), steps=8, prompt_len=5, mode="graph")
     assert report.passed, report
     assert not report.rolled_back and all(e.top1 >= e.min_top1 for e in report.end_to_end)
+    assert report.reference_mode == "graph"  # the MoE's fp32 experts too (optiq.reference_experts)
 
 
 @pytest.mark.parametrize("preset, base, fusion", [
@@ -173,7 +174,7 @@ def test_one_fp32_reference_decode_serves_every_concurrency(monkeypatch):
     monkeypatch.setattr(validation, "_decode", lambda *a, **k: decodes.append(k.get("dtype")) or plain_decode(*a, **k))
     report = validate(patches, **FAST)
     assert report.passed and decodes.count(torch.float32) == 1, decodes
-    found, _ = validation.baselines(patches, (1, 2), 3, 5, 0, "eager")
+    found, *_ = validation.baselines(patches, (1, 2), 3, 5, 0, "eager")
     with torch.inference_mode(), patches.suspended():
         alone, alone_picks = plain_decode(model, found[1].prompt, 3, None, [], [], dtype=torch.float32)
     torch.testing.assert_close(found[1].want, alone, rtol=1e-5, atol=1e-5)
@@ -186,7 +187,7 @@ def test_streamed_errors_equal_those_of_the_stored_logits():
     those of the whole decodes' logits compared at once, for the unpatched model as for the patched one."""
     model = load_model("tiny-llama", torch.bfloat16, torch.device("cpu"))
     patches = apply(model, [load_catalog()["rmsnorm"]])
-    found, _ = baselines(patches, (1, 2), 3, 5, 0, "eager")
+    found, *_ = baselines(patches, (1, 2), 3, 5, 0, "eager")
     checks = end_to_end(patches, ["rmsnorm"], found)
     assert [c.concurrency for c in checks] == [1, 2]
     with torch.inference_mode(), patches.suspended():
