@@ -4,12 +4,12 @@ loop over the experts hit.
 
 That loop sizes itself on the host (``nonzero``), and transformers' grouped-GEMM path copies offsets from the host in
 fp32, so the reference's decode step could not be captured in a CUDA graph and ran eager: on qwen3-30b-a3b 38.4 s of
-an 83.4 s gate (session 6), each step also casting every layer's 2.4 GB of experts to fp32; 11.5 s so (session 8). At C=64 a step's 512 picks
-hit ~126 of 128 experts anyway, so computing all of them adds little work and needs no host. The weights stay bf16
-and the products come from bf16 parts of the fp32 activations (``split_matmul``), a few millionths from the exact
-ones. A prompt (more than DENSE_TOKENS tokens) loops over the experts it hits, with the same products. The gate's
-float64 reference of a module that holds experts (moe_experts, a decoder layer) runs them so too, on float64 copies:
-transformers' loop synchronises with the host several times per expert hit.
+an 83.4 s gate (session 6), each step also casting every layer's 2.4 GB of experts to fp32; 11.5 s so (session 8).
+At C=64 a step's 512 picks hit ~126 of 128 experts anyway, so computing all of them adds little work and needs no
+host. The weights stay bf16 and the products come from bf16 parts of the fp32 activations (``split_matmul``), a few
+millionths from the exact ones. A prompt (more than DENSE_TOKENS tokens) loops over the experts it hits, with the
+same products. The gate's float64 reference of a module that holds experts (moe_experts, a decoder layer) runs them so
+too, on float64 copies: transformers' loop synchronises with the host several times per expert hit.
 """
 
 from __future__ import annotations

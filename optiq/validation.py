@@ -413,11 +413,11 @@ def _distance(model: torch.nn.Module, b: Baseline, changes: list[Change], engine
 def baselines(patches: Patches, concurrencies, steps: int, prompt_len: int, seed: int,
               mode: str) -> tuple[dict[int, Baseline], float, str]:
     """The baselines of every concurrency, computed once per gate (every recipe set is checked against the same),
-    the seconds of the fp32 reference decode among them and the engine mode it decoded in. The prompt at concurrency C is the first C sequences of
-    the largest one's, so for a half-precision model one fp32 reference decode, at the largest concurrency, serves
-    all (a sequence's logits do not depend on its batch's other sequences). It runs in the gate's engine mode: in
-    graph mode its steps replay one captured step, fp32 weight casts included, instead of launching ~10 kernels per
-    linear layer from Python; eager if its fp32 step cannot be captured."""
+    the seconds of the fp32 reference decode among them and the engine mode it decoded in. The prompt at concurrency
+    C is the first C sequences of the largest one's, so for a half-precision model one fp32 reference decode, at the
+    largest concurrency, serves all (a sequence's logits do not depend on its batch's other sequences). It runs in the
+    gate's engine mode: in graph mode its steps replay one captured step, fp32 weight casts included, instead of
+    launching ~10 kernels per linear layer from Python; eager if its fp32 step cannot be captured."""
     model = patches.model
     dtype = next(model.parameters()).dtype
     prompts = _prompt(model, max(concurrencies), prompt_len, seed).to(next(model.parameters()).device)

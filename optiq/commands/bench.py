@@ -176,7 +176,6 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
                 sweep_with_progress(f"{model_spec} optiq", model, concurrencies, workload,
                                     [(f"optiq+{mode}", mode, None)], bandwidth, save, fused, engine_patches=patches)
                 fusion["timings"]["capture_s"] = sum(r.get("warmup_s", 0.0) for r in fused)
-                save()
             else:
                 status = "rejected"
     except OptiqError:  # what was measured is on disk already (and the error may be that the disk is full)
@@ -195,7 +194,7 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
                                                   f"{new_tokens} new tokens · {env['device']} · copy roof "
                                                   f"{bandwidth / 1e9:,.0f} GB/s"))
         if fusion is not None:
-            out.print(fusion_summary(fusion, document()["time_to_optimized"]))
+            out.print(fusion_summary(fusion, waits(fusion, measured + fused)))
         out.print(f"run directory: {run.path}")
     if status == "rejected":
         raise SystemExit(EXIT_GATE_REJECTED_ALL)
