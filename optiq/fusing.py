@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from optiq import compile_ahead
 from optiq.errors import OptiqError
 from optiq.patching import Patches, apply, unpatch
 from optiq.proposals import propose
@@ -72,10 +73,11 @@ def gate_settings(concurrencies: list[int], steps: int, prompt_len: int, max_len
 
 def fuse(model: torch.nn.Module, catalog: dict, names: list[str], record: dict, gate: dict,
          rechoose: Callable[[list[str]], list[str]] | None = None, on_round: Callable[[], None] = lambda: None,
-         status: Callable = lambda text: nullcontext()) -> Patches:
+         status: Callable = lambda text: nullcontext(), ahead: compile_ahead.Source | None = None) -> Patches:
     """Patch ``model`` with recipes ``names`` and gate them (``gate``: gate_settings); ``record`` (new_record) adds
     up every round's timings and verdicts, and ``on_round`` runs after each (to save). After a round that rolled
-    something back, ``rechoose(rolled_back)`` (choose_again) may name a new set to try."""
+    something back, ``rechoose(rolled_back)`` (choose_again) may name a new set to try. With ``ahead``, other
+    processes compile the recipes' kernels while the gate runs (compile_ahead)."""
     timings = record["timings"]
     while True:
         started = time.perf_counter()
@@ -83,8 +85,11 @@ def fuse(model: torch.nn.Module, catalog: dict, names: list[str], record: dict, 
         timings["patch_s"] = timings.get("patch_s", 0.0) + time.perf_counter() - started
         record["not_applicable"].update(patches.not_applicable)
         started = time.perf_counter()
-        with status(f"validating {', '.join(patches.applied)}"):
+        children = compile_ahead.running(ahead, list(patches.applied), gate) if ahead and patches.applied else \
+            nullcontext([])
+        with status(f"validating {', '.join(patches.applied)}"), children as compiling:
             verdict = validate(patches, **gate)
+        record["compile_ahead"] = [asdict(child) for child in compiling]
         for key, seconds in (("gate_s", time.perf_counter() - started), ("gate_capture_s", verdict.capture_seconds),
                              ("gate_baselines_s", verdict.baseline_seconds),
                              ("gate_reference_s", verdict.reference_seconds)):

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import click
+
+from optiq import compile_ahead
 from optiq.commands.common import (err, gate_options, measurement_options, model_options, out, parse_concurrency,
                                    print_json, resolve_device_and_mode, stop_interrupted, workload_defaults,
                                    workload_options)
@@ -111,7 +113,8 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
         patches = fuse(model, catalog, names, report,
                        gate_settings(concurrencies, gate_steps, prompt_len, max_len, mode),
                        choose_again(requested, catalog, kernels, model.config.model_type, min_share),
-                       on_round=save, status=err.status)
+                       on_round=save, status=err.status,
+                       ahead=compile_ahead.source(device, model_spec, args["dtype"], recipes_dir, prompt_len, max_len))
         if patches.applied:
             measure("after", [(mode, mode, None)], engine_patches=patches)
             report["timings"]["capture_s"] = sum(r.get("warmup_s", 0.0) for r in report["after"]["rows"])

@@ -10,7 +10,7 @@ import transformers
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from optiq import __version__
+from optiq import __version__, compile_ahead
 from optiq.attribution import weighted_kernels
 from optiq.bench import Workload, compiled_forward, free_memory, sweep
 from optiq.commands.common import (err, gate_options, measurement_options, model_options, out, parse_concurrency,
@@ -171,7 +171,8 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
             patches = fuse(model, catalog, names, fusion,
                            gate_settings(concurrencies, gate_steps, prompt_len, max_len, mode),
                            choose_again(requested, catalog, kernels, model.config.model_type, min_share),
-                           on_round=save, status=err.status)
+                           on_round=save, status=err.status,
+                           ahead=compile_ahead.source(device, model_spec, args["dtype"], recipes_dir, prompt_len, max_len))
             if patches.applied:
                 sweep_with_progress(f"{model_spec} optiq", model, concurrencies, workload,
                                     [(f"optiq+{mode}", mode, None)], bandwidth, save, fused, engine_patches=patches)
