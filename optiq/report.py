@@ -83,10 +83,19 @@ def load_report(run_dir: Path | str) -> dict:
     return report
 
 
+def compile_variant(mode: str) -> str:
+    """The variant name of torch.compile's rows in engine ``mode``: how reports and tables tell the peer's rows."""
+    return f"compile+{mode}"
+
+
+def is_compile_row(row: dict) -> bool:
+    return row.get("variant", "").startswith(compile_variant(""))
+
+
 def _rows(report: dict, state: str, compiled: bool = False) -> dict[int, dict]:
     """One bench row per concurrency: the model's own rows, or torch.compile's peer rows."""
     rows = (report.get(state) or {}).get("rows") or []
-    return {r["concurrency"]: r for r in rows if r.get("variant", "").startswith("compile+") == compiled}
+    return {r["concurrency"]: r for r in rows if is_compile_row(r) == compiled}
 
 
 def time_to_optimized(report: dict) -> tuple[float, float | None] | None:

@@ -50,7 +50,7 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
     from optiq.roofline import copy_bandwidth
     from optiq.rundir import RunDir, write_json
     from optiq.commands.report import rich_table
-    from optiq.report import gate_table, headline_table, write_report
+    from optiq.report import compile_variant, gate_table, headline_table, write_report
 
     catalog = load_catalog(recipes_dir)
     model_spec = model_spec or default_preset(device)
@@ -107,7 +107,7 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
             raise OptiqError(f"no recipe to apply: no proposal covers {min_share}% of the step")
         variants = [(mode, mode, None)]
         if "compile" in compare:
-            variants.append((f"compile+{mode}", mode, compiled_forward(model)))
+            variants.append((compile_variant(mode), mode, compiled_forward(model)))
         measure("before", variants)
 
         patches = fuse(model, catalog, names, report,

@@ -21,7 +21,7 @@ from optiq.errors import EXIT_GATE_REJECTED_ALL, OptiqError
 from optiq.models import PRESETS, default_dtype, default_preset, load_model, resolve_dtype
 from optiq.profiling import profile_step
 from optiq.recipes import load_catalog
-from optiq.report import optimization_wait
+from optiq.report import compile_variant, is_compile_row, optimization_wait
 from optiq.roofline import copy_bandwidth, device_name
 from optiq.rundir import RunDir, write_csv, write_json
 
@@ -35,7 +35,7 @@ def environment(device: torch.device) -> dict:
 def results_table(rows: list[dict], title: str) -> Table:
     """One line per point; with torch.compile among the variants, each point's throughput over compile's too."""
     compiled = {r["concurrency"]: r["tok_per_s"] for r in rows
-                if r["variant"].startswith("compile+") and r["status"] == "ok"}
+                if is_compile_row(r) and r["status"] == "ok"}
     columns = ["variant", "C", "tok/s", *(["× compile"] if compiled else []), "ms/step", "floor ms", "% of floor",
                "prefill ms", "warm-up s", "peak GB"]
     table = Table(title=title)
@@ -153,7 +153,7 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
         variants = [("eager", "eager", None)] if "eager" in compare and mode != "eager" else []
         variants.append((mode, mode, None))
         if "compile" in compare:
-            variants.append((f"compile+{mode}", mode, compiled_forward(model)))
+            variants.append((compile_variant(mode), mode, compiled_forward(model)))
         sweep_with_progress(model_spec, model, concurrencies, workload, variants, bandwidth, save, measured)
         if requested:
             kernels = {}
@@ -203,7 +203,7 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
 
 def waits(fusion: dict, rows: list[dict]) -> dict | None:
     """Time to optimized (patch + gate + capture) and torch.compile's warm-up over the same concurrencies."""
-    found = optimization_wait(fusion["timings"], [r for r in rows if r["variant"].startswith("compile+")])
+    found = optimization_wait(fusion["timings"], [r for r in rows if is_compile_row(r)])
     if found is None:
         return None
     optimized, warmup = found
