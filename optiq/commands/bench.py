@@ -171,8 +171,8 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
             patches = fuse(model, catalog, names, fusion,
                            gate_settings(concurrencies, gate_steps, prompt_len, max_len, mode),
                            choose_again(requested, catalog, kernels, model.config.model_type, min_share),
-                           on_round=save, status=err.status,
-                           ahead=compile_ahead.source(device, model_spec, args["dtype"], recipes_dir, prompt_len, max_len))
+                           on_round=save, status=err.status, ahead=compile_ahead.source(
+                               device, model_spec, args["dtype"], recipes_dir, prompt_len, max_len))
             if patches.applied:
                 sweep_with_progress(f"{model_spec} optiq", model, concurrencies, workload,
                                     [(f"optiq+{mode}", mode, None)], bandwidth, save, fused, engine_patches=patches)
