@@ -336,6 +336,10 @@ def report_document(report: dict) -> Document:
     if timings:
         facts.append(("timings", ", ".join(f"{k.removesuffix('_s')} {_fmt(v, '.1f', ' s')}"
                                            for k, v in timings.items())))
+    if report.get("compile_ahead"):
+        facts.append(("kernels compiled ahead", "; ".join(
+            f"C={child['engines'][0][0]} {child['status']}"
+            + (f" in {child['seconds']:.1f} s" if child["seconds"] else "") for child in report["compile_ahead"])))
     if (waits := time_to_optimized(report)) is not None:
         optimized, warmup = waits
         facts.append(("time to optimized", f"{optimized:.1f} s (patch + gate + capture)" + (

@@ -142,6 +142,15 @@ def test_markdown_has_every_section_and_the_gate_verdicts(tmp_path):
     assert md.count("| passed |") == 2
 
 
+def test_children_that_compiled_ahead_are_listed_with_their_outcome(tmp_path):
+    report = h200_report()
+    report["compile_ahead"] = [{"engines": [[64, 514, 512], [64, 577, 512]], "status": "done", "seconds": 17.13},
+                               {"engines": [[1, 577, 512]], "status": "stopped", "seconds": None}]
+    run = run_dir_with(tmp_path, report)
+    write_report(run)
+    assert "C=64 done in 17.1 s; C=1 stopped" in (run / "report.md").read_text()
+
+
 def test_html_is_self_contained_with_three_plots():
     import plotly.offline
 
