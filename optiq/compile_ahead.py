@@ -1,8 +1,8 @@
 """Triton kernels compiled ahead, in other processes, while the gate computes its baselines.
 
-With an empty kernel cache, half of the time to optimized goes to Triton's JIT: llama-3.1-8b on the H200 took 32.6 s
-(patch + gate + capture) cold and 17.7 s with a warm cache, for 25 kernels compiled one after another at ~0.6 s each,
-as the fused model first met each shape (BENCHMARKS.md, session 9). Which kernels a decode compiles depends on the
+With an empty kernel cache, nearly half of the time to optimized went to Triton's JIT: llama-3.1-8b on the H200 took
+32.6 s (patch + gate + capture) cold and 17.7 s with a warm cache, for 25 kernels compiled one after another at
+~0.6 s each, as the fused model first met each shape (BENCHMARKS.md, session 9). Which kernels a decode compiles depends on the
 shapes of a layer, not on the number of layers or the weights' values, so a copy of the model cut to one layer of each
 kind, patched with the same recipes and stepped through the same engines, compiles the same ones. One process per
 concurrency does so while the gate runs the unpatched model, and writes them to Triton's on-disk cache (written
