@@ -2,13 +2,13 @@
 
 With an empty kernel cache, nearly half of the time to optimized went to Triton's JIT: llama-3.1-8b on the H200 took
 32.6 s (patch + gate + capture) cold and 17.7 s with a warm cache, for 25 kernels compiled one after another at
-~0.6 s each, as the fused model first met each shape (BENCHMARKS.md, session 9). Which kernels a decode compiles depends on the
-shapes of a layer, not on the number of layers or the weights' values, so a copy of the model cut to one layer of each
-kind, patched with the same recipes and stepped through the same engines, compiles the same ones. One process per
-concurrency does so while the gate runs the unpatched model, and writes them to Triton's on-disk cache (written
-atomically), where the gate and the graph captures after it find them. It is best effort: a kernel not there yet is
-compiled in place as before, and a process that fails costs nothing but its own time. CUDA only (the interpreter
-compiles nothing); ``OPTIQ_COMPILE_AHEAD=0`` turns it off, to measure what it buys.
+~0.6 s each, as the fused model first met each shape (BENCHMARKS.md, session 9). Which kernels a decode compiles
+depends on the shapes of a layer, not on the number of layers or the weights' values, so a copy of the model cut to
+one layer of each kind, patched with the same recipes and stepped through the same engines, compiles the same ones.
+One process per concurrency does so while the gate runs the unpatched model, and writes them to Triton's on-disk cache
+(written atomically), where the gate and the graph captures after it find them. It is best effort: a kernel not there
+yet is compiled in place as before, and a process that fails costs nothing but its own time. CUDA only (the
+interpreter compiles nothing); ``OPTIQ_COMPILE_AHEAD=0`` turns it off, to measure what it buys.
 """
 
 from __future__ import annotations
