@@ -10,13 +10,20 @@ import time
 import pytest
 
 
+def _start(args):
+    """The command as a terminal's foreground job runs it: SIGINT at its default action. A job started in the
+    background of a non-interactive shell inherits it ignored, and Python then installs no KeyboardInterrupt."""
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupt_mid_sweep_keeps_finished_points(tmp_path, stop):
     runs = tmp_path / "runs"
     # Many concurrencies, each a few hundred ms on the CPU: the interrupt lands mid-sweep.
     args = [sys.executable, "-m", "optiq", "bench", "--model", "tiny-llama", "--concurrency", ",".join(["1"] * 40),
             "--prompt-len", "8", "--new-tokens", "16", "--max-len", "32", "--repeats", "2", "--runs-dir", str(runs)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _start(args)
     deadline = time.monotonic() + 240
     results = None
     while time.monotonic() < deadline:  # wait until at least two points are on disk
@@ -44,7 +51,7 @@ def test_sigint_mid_profile_keeps_finished_concurrencies(tmp_path):
     args = [sys.executable, "-m", "optiq", "profile", "--model", "tiny-llama", "--concurrency",
             ",".join(str(c) for c in range(1, 41)), "--prompt-len", "8", "--max-len", "32", "--steps", "2",
             "--runs-dir", str(runs)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _start(args)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not list(runs.glob("profile-*/attribution_C2.json")):
         time.sleep(0.05)
