@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from optiq.validation import capture_cache_len, decode_cache_len
+
 ENGINE_STEPS = 2  # eager decode steps per engine: the first compiles, the second meets the cache's next length
 
 
@@ -58,30 +60,25 @@ def engines(gate: dict, prompt_len: int, max_len: int) -> list[list[tuple[int, i
     """Per process, the (batch, max_len, prompt_len) of every engine the fused model will first run in: the gate's
     capture step (validation._capture), its end-to-end decodes, then the measured workload's; one process per
     concurrency, the largest first (it also has the capture)."""
-    steps, gated = gate["steps"], gate["prompt_len"]
-    per_batch = [[(c, gated + steps + 1, gated), (c, max_len, prompt_len)]
+    gated = gate["prompt_len"]
+    per_batch = [[(c, decode_cache_len(gated, gate["steps"]), gated), (c, max_len, prompt_len)]
                  for c in sorted(gate["concurrencies"], reverse=True)]
-    per_batch[0].insert(0, (per_batch[0][0][0], gated + 2, gated))
+    per_batch[0].insert(0, (per_batch[0][0][0], capture_cache_len(gated), gated))
     return per_batch
 
 
 def compile_in_this_process(source: dict, names: list[str], plan: list[list[int]]) -> None:
     """A child's work: the one-layer model patched with ``names``, one prefill and ENGINE_STEPS eager steps in each
     engine of ``plan``."""
-    from transformers import AutoModelForCausalLM
-
     from optiq.engine import DecodeEngine
-    from optiq.models import SEED, load_config, resolve_dtype
+    from optiq.models import load_config, random_model, resolve_dtype
     from optiq.patching import apply
     from optiq.recipes import load_catalog
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(source["dtype"], device)
     catalog = load_catalog(source["recipes_dirs"])
-    torch.manual_seed(SEED)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(one_layer_of_each_kind(load_config(source["model"])),
-                                                 dtype=dtype).eval()
+    model = random_model(one_layer_of_each_kind(load_config(source["model"])), resolve_dtype(source["dtype"], device),
+                         device)
     patches = apply(model, [catalog[n] for n in names])
     vocab = model.config.get_text_config(decoder=True).vocab_size
     with torch.inference_mode():

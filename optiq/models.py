@@ -106,13 +106,18 @@ def load_config(spec: str):
     raise OptiqError(f"unknown model '{spec}': not a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
 
 
+def random_model(config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The model of ``config`` in eval mode on ``device``, with weights drawn from the fixed seed."""
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
 def load_model(spec: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The model in eval mode on ``device``: seeded random weights for a preset, real ones for a checkpoint."""
     config = load_config(spec)
     if spec in PRESETS:
-        torch.manual_seed(SEED)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = random_model(config, dtype, device)
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=True).to(device)

@@ -235,11 +235,21 @@ def _prompt(model: torch.nn.Module, batch: int, length: int, seed: int) -> torch
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def capture_cache_len(prompt_len: int) -> int:
+    """The cache of the engine whose one decode step records the patched sites' inputs (``_capture``)."""
+    return prompt_len + 2
+
+
+def decode_cache_len(prompt_len: int, steps: int) -> int:
+    """The cache of every teacher-forced decode of ``steps`` steps (``_decode``)."""
+    return prompt_len + steps + 1
+
+
 def _capture(patches: Patches, batch: int, prompt_len: int, seed: int) -> dict[str, list[tuple[Site, list]]]:
     """Inputs of every site of every applied recipe during one decode step of the unpatched model."""
     model = patches.model
     with patches.suspended():
-        engine = DecodeEngine(model, batch, prompt_len + 2)
+        engine = DecodeEngine(model, batch, capture_cache_len(prompt_len))
         engine.prefill(_prompt(model, batch, prompt_len, seed))
         captured, changes = {}, []
         for name, applied in patches.applied.items():
@@ -359,7 +369,8 @@ def _decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, forced: to
     difference from them, taken step by step so that a decode never holds more than one step of its own (at C=64 on a
     152k vocabulary the logits of 64 steps are 2.5 GB in fp32); and this model's own picks [steps + 1, batch].
     Everything stays on the model's device: the loop neither waits for the device nor copies to the host."""
-    engine = DecodeEngine(model, prompt.shape[0], prompt.shape[1] + steps + 1, mode=mode, dtype=dtype)
+    engine = DecodeEngine(model, prompt.shape[0], decode_cache_len(prompt.shape[1], steps), mode=mode,
+                          dtype=dtype)
     changes = changes + [(site := engine_site(a, engine)).bind(site.replacement) for a in engine_recipes]
     for change in changes:
         change.redo()

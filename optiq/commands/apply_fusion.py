@@ -7,7 +7,6 @@ from dataclasses import asdict
 
 import click
 
-from optiq import compile_ahead
 from optiq.commands.common import (err, gate_options, measurement_options, model_options, out, parse_concurrency,
                                    print_json, resolve_device_and_mode, stop_interrupted, workload_defaults,
                                    workload_options)
@@ -43,6 +42,7 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
     from optiq.bench import Workload, compiled_forward, free_memory
     from optiq.commands.bench import environment, sweep_with_progress
     from optiq.models import default_dtype, default_preset, load_model, resolve_dtype
+    from optiq import compile_ahead
     from optiq.fusing import (PROFILED_STEPS, choose_again, choose_recipes, fuse, gate_settings, new_record,
                               proposals)
     from optiq.profiling import profile_step

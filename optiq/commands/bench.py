@@ -10,7 +10,7 @@ import transformers
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from optiq import __version__, compile_ahead
+from optiq import __version__
 from optiq.attribution import weighted_kernels
 from optiq.bench import Workload, compiled_forward, free_memory, sweep
 from optiq.commands.common import (err, gate_options, measurement_options, model_options, out, parse_concurrency,
@@ -108,6 +108,7 @@ every point; Ctrl-C keeps what was measured and marks it incomplete. Exit code 3
 def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_len, repeats, mode, compare, requested,
           recipes_dir, gate_steps, min_share, runs_dir, as_json):
     device, mode = resolve_device_and_mode(device, mode)  # first: it picks Triton's interpreter on the CPU
+    from optiq import compile_ahead
     from optiq.fusing import PROFILED_STEPS, choose_again, choose_recipes, fuse, gate_settings, new_record, proposals
 
     model_spec = model_spec or default_preset(device)
