@@ -4,10 +4,13 @@ With an empty kernel cache, nearly half of the time to optimized went to Triton'
 32.6 s (patch + gate + capture) cold and 17.7 s with a warm cache, for 25 kernels compiled one after another at
 ~0.6 s each, as the fused model first met each shape (BENCHMARKS.md, session 9). Which kernels a decode compiles
 depends on the shapes of a layer, not on the number of layers or the weights' values, so a copy of the model cut to
-one layer of each kind, patched with the same recipes and stepped through the same engines, compiles the same ones.
-One process per concurrency does so while the gate runs the unpatched model, and writes them to Triton's on-disk cache
-(written atomically), where the gate and the graph captures after it find them. It is best effort: a kernel not there
-yet is compiled in place as before, and a process that fails costs nothing but its own time. CUDA only (the
+one layer of each kind, patched with the same recipes and stepped through the same engine, compiles the same ones.
+
+One worker process per engine the fused model will run in starts before the proposals are profiled: it imports,
+builds that copy and waits for the recipes' names (starting one took longer than the gate's 12 s of baselines in
+session 9). Given them, it compiles while the gate runs the unpatched model, and Triton writes the kernels to its
+on-disk cache (atomically), where the gate and the graph captures after it find them. It is best effort: a kernel not
+there yet is compiled in place as before, and a worker that fails costs nothing but its own time. CUDA only (the
 interpreter compiles nothing); ``OPTIQ_COMPILE_AHEAD=0`` turns it off, to measure what it buys.
 """
 
@@ -56,89 +59,146 @@ def one_layer_of_each_kind(config):
     return config
 
 
-def engines(gate: dict, prompt_len: int, max_len: int) -> list[list[tuple[int, int, int]]]:
-    """Per process, the (batch, max_len, prompt_len) of every engine the fused model will first run in: the gate's
-    capture step (validation._capture), its end-to-end decodes, then the measured workload's; one process per
-    concurrency, the largest first (it also has the capture)."""
+def engines(gate: dict, prompt_len: int, max_len: int) -> list[tuple[int, int, int]]:
+    """The (batch, max_len, prompt_len) of every engine the fused model will first run in, in the order it does: the
+    gate's capture step (validation._capture, at the largest concurrency), its end-to-end decodes, then the measured
+    workload's."""
     gated = gate["prompt_len"]
-    per_batch = [[(c, decode_cache_len(gated, gate["steps"]), gated), (c, max_len, prompt_len)]
-                 for c in sorted(gate["concurrencies"], reverse=True)]
-    per_batch[0].insert(0, (per_batch[0][0][0], capture_cache_len(gated), gated))
-    return per_batch
+    concurrencies = gate["concurrencies"]
+    return [(max(concurrencies), capture_cache_len(gated), gated),
+            *((c, decode_cache_len(gated, gate["steps"]), gated) for c in concurrencies),
+            *((c, max_len, prompt_len) for c in concurrencies)]
 
 
-def compile_in_this_process(source: dict, names: list[str], plan: list[list[int]]) -> None:
-    """A child's work: the one-layer model patched with ``names``, one prefill and ENGINE_STEPS eager steps in each
-    engine of ``plan``."""
-    from optiq.engine import DecodeEngine
+def one_layer_model(source: dict) -> tuple[torch.nn.Module, dict]:
+    """A worker's preparation: the one-layer copy of ``source``'s model on this process's device, and the catalog."""
     from optiq.models import load_config, random_model, resolve_dtype
-    from optiq.patching import apply
     from optiq.recipes import load_catalog
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    catalog = load_catalog(source["recipes_dirs"])
     model = random_model(one_layer_of_each_kind(load_config(source["model"])), resolve_dtype(source["dtype"], device),
                          device)
+    return model, load_catalog(source["recipes_dirs"])
+
+
+def compile_engine(model: torch.nn.Module, catalog: dict, names: list[str], engine: tuple[int, int, int]) -> None:
+    """A worker's work: ``model`` patched with ``names``, one prefill and ENGINE_STEPS eager steps in ``engine``."""
+    from optiq.engine import DecodeEngine
+    from optiq.patching import apply
+
+    batch, max_len, prompt_len = engine
     patches = apply(model, [catalog[n] for n in names])
     vocab = model.config.get_text_config(decoder=True).vocab_size
     with torch.inference_mode():
-        for batch, max_len, prompt_len in plan:
-            engine = DecodeEngine(model, batch, max_len)
-            patches.attach(engine)
-            engine.prefill(torch.randint(0, vocab, (batch, prompt_len)))
-            for _ in range(ENGINE_STEPS):
-                engine.step()
-            patches.detach(engine)
-            engine.release()
-    if device.type == "cuda":
+        decode = DecodeEngine(model, batch, max_len)
+        patches.attach(decode)
+        decode.prefill(torch.randint(0, vocab, (batch, prompt_len)))
+        for _ in range(ENGINE_STEPS):
+            decode.step()
+    if model.device.type == "cuda":
         torch.cuda.synchronize()
 
 
 @dataclass
 class Child:
-    engines: list[tuple[int, int, int]]
+    engine: tuple[int, int, int]
     status: str = "running"  # done, stopped (still compiling when the gate ended) or failed: its last error line
-    seconds: float | None = None  # from its start to its end, if it ended by itself
+    ready_s: float | None = None  # from its start until it was ready for the names (imports, CUDA, the model)
+    sent_s: float | None = None  # from its start until it was sent the names
+    seconds: float | None = None  # from the names until it had compiled, if it ended by itself
 
 
-def source(device: torch.device, model: str, dtype: str, recipes_dirs, prompt_len: int,
-           max_len: int) -> Source | None:
-    """The Source for ``fusing.fuse``, or None where nothing is compiled ahead (module docstring)."""
-    if device.type != "cuda" or os.environ.get("OPTIQ_COMPILE_AHEAD", "1") == "0":
-        return None
-    return Source(model, dtype, tuple(recipes_dirs), prompt_len, max_len)
+class _Worker:
+    """One worker process, started at once. It prints the time when it is ready, waits for the names on its stdin
+    (EOF: it exits unused), and prints the time when it has compiled."""
+
+    def __init__(self, source: Source, engine: tuple[int, int, int]):
+        self.child = Child(engine)
+        self.started = self.sent = time.time()
+        self.log = tempfile.TemporaryFile()  # its stderr: why it failed, if it does
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "optiq.compile_ahead", json.dumps(asdict(source)), json.dumps(engine)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+
+    def send(self, names: list[str]) -> None:
+        self.sent = time.time()
+        self.child.sent_s = self.sent - self.started
+        try:
+            self.process.stdin.write((json.dumps(names) + "\n").encode())
+            self.process.stdin.flush()  # (communicate closes it)
+        except OSError:  # it has died already; end() says why
+            pass
+
+    def end(self) -> None:
+        """Stop it if still running, then record how it ended."""
+        running = self.process.poll() is None
+        if running:
+            self.process.kill()
+        printed, _ = self.process.communicate()
+        times = [float(t) for t in printed.split()]
+        if times:
+            self.child.ready_s = times[0] - self.started
+        if len(times) == 2:
+            self.child.status, self.child.seconds = "done", times[1] - self.sent
+        elif running:
+            self.child.status = "stopped"
+        else:
+            self.log.seek(0)
+            lines = self.log.read().decode(errors="replace").strip().splitlines() or ["no message"]
+            self.child.status = f"failed: {lines[-1]}"
+        self.log.close()
+
+
+class Workers:
+    """One waiting worker per engine of the gate ``gate`` (fusing.gate_settings) and the workload in ``source``."""
+
+    def __init__(self, source: Source, gate: dict):
+        self.source, self.gate = source, gate
+        self.waiting = self._start()
+
+    def _start(self) -> list[_Worker]:
+        return [_Worker(self.source, e) for e in engines(self.gate, self.source.prompt_len, self.source.max_len)]
+
+    @contextmanager
+    def compiling(self, names: list[str]):
+        """The workers compiling ``names``' kernels for the duration (new ones if the waiting ones were used by an
+        earlier round); yields their records (Child), final when the block ends, by which time every one has ended."""
+        working = self.waiting or self._start()
+        self.waiting = []
+        for worker in working:
+            worker.send(names)
+        try:
+            yield [worker.child for worker in working]
+        finally:
+            for worker in working:
+                worker.end()
+
+    def close(self) -> None:
+        """Stop the workers never given names."""
+        for worker in self.waiting:
+            worker.end()
+        self.waiting = []
 
 
 @contextmanager
-def running(to_build: Source, names: list[str], gate: dict):
-    """Children compiling ``names``' kernels for the gate ``gate`` (fusing.gate_settings) and the workload, for the
-    duration; yields their records (Child), final when the block ends, by which time every child has ended."""
-    plan = engines(gate, to_build.prompt_len, to_build.max_len)
-    spec = json.dumps({"source": asdict(to_build), "names": names, "started": time.time()})
-    children = []
-    for part in plan:
-        log = tempfile.TemporaryFile()  # its stderr: why it failed, if it does
-        process = subprocess.Popen([sys.executable, "-m", "optiq.compile_ahead", spec, json.dumps(part)],
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log)
-        children.append((Child(part), process, log))
+def workers(device: torch.device, model: str, dtype: str, recipes_dirs, prompt_len: int, max_len: int, gate: dict):
+    """For ``fusing.fuse(ahead=)``, the workers for ``model`` (a preset or checkpoint directory), the workload and
+    the gate ``gate`` (fusing.gate_settings) for the duration, or None where nothing is compiled ahead (module
+    docstring); those still running when the block ends are stopped."""
+    if device.type != "cuda" or os.environ.get("OPTIQ_COMPILE_AHEAD", "1") == "0":
+        yield None
+        return
+    pool = Workers(Source(model, dtype, tuple(recipes_dirs), prompt_len, max_len), gate)
     try:
-        yield [child for child, _, _ in children]
+        yield pool
     finally:
-        for child, process, log in children:
-            if process.poll() is None:
-                process.kill()
-                child.status = "stopped"
-            seconds, _ = process.communicate()  # the one line it prints last
-            if child.status == "running" and process.returncode == 0:
-                child.status, child.seconds = "done", float(seconds)
-            elif child.status == "running":
-                log.seek(0)
-                lines = log.read().decode(errors="replace").strip().splitlines() or ["no message"]
-                child.status = f"failed: {lines[-1]}"
-            log.close()
+        pool.close()
 
 
 if __name__ == "__main__":
-    request = json.loads(sys.argv[1])
-    compile_in_this_process(request["source"], request["names"], json.loads(sys.argv[2]))
-    print(time.time() - request["started"])
+    model, catalog = one_layer_model(json.loads(sys.argv[1]))
+    print(time.time(), flush=True)
+    line = sys.stdin.readline()
+    if line:
+        compile_engine(model, catalog, json.loads(line), tuple(json.loads(sys.argv[2])))
+        print(time.time())

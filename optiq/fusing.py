@@ -73,24 +73,24 @@ def gate_settings(concurrencies: list[int], steps: int, prompt_len: int, max_len
 
 def fuse(model: torch.nn.Module, catalog: dict, names: list[str], record: dict, gate: dict,
          rechoose: Callable[[list[str]], list[str]] | None = None, on_round: Callable[[], None] = lambda: None,
-         status: Callable = lambda text: nullcontext(), ahead: compile_ahead.Source | None = None) -> Patches:
+         status: Callable = lambda text: nullcontext(), ahead: compile_ahead.Workers | None = None) -> Patches:
     """Patch ``model`` with recipes ``names`` and gate them (``gate``: gate_settings); ``record`` (new_record) adds
     up every round's timings and verdicts, and ``on_round`` runs after each (to save). After a round that rolled
-    something back, ``rechoose(rolled_back)`` (choose_again) may name a new set to try. With ``ahead``, other
-    processes compile the recipes' kernels while the gate runs (compile_ahead)."""
+    something back, ``rechoose(rolled_back)`` (choose_again) may name a new set to try. With ``ahead``
+    (compile_ahead.workers), other processes compile the recipes' kernels while the gate runs."""
     timings = record["timings"]
     while True:
-        started = time.perf_counter()
-        patches = apply(model, [catalog[n] for n in names])
-        timings["patch_s"] = timings.get("patch_s", 0.0) + time.perf_counter() - started
-        record["not_applicable"].update(patches.not_applicable)
-        started = time.perf_counter()
-        children = compile_ahead.running(ahead, list(patches.applied), gate) if ahead and patches.applied else \
-            nullcontext([])
-        with status(f"validating {', '.join(patches.applied)}"), children as compiling:
-            verdict = validate(patches, **gate)
+        with ahead.compiling(names) if ahead else nullcontext([]) as compiling:  # from the start: patching too
+            started = time.perf_counter()
+            patches = apply(model, [catalog[n] for n in names])
+            timings["patch_s"] = timings.get("patch_s", 0.0) + time.perf_counter() - started
+            record["not_applicable"].update(patches.not_applicable)
+            started = time.perf_counter()
+            with status(f"validating {', '.join(patches.applied)}"):
+                verdict = validate(patches, **gate)
+            gate_s = time.perf_counter() - started
         record["compile_ahead"] = [asdict(child) for child in compiling]
-        for key, seconds in (("gate_s", time.perf_counter() - started), ("gate_capture_s", verdict.capture_seconds),
+        for key, seconds in (("gate_s", gate_s), ("gate_capture_s", verdict.capture_seconds),
                              ("gate_baselines_s", verdict.baseline_seconds),
                              ("gate_reference_s", verdict.reference_seconds)):
             timings[key] = timings.get(key, 0.0) + seconds

@@ -322,6 +322,16 @@ STATUS_NOTE = {"complete": "complete",
                "rejected": "rejected: the validation gate rejected every recipe; the model was not re-measured"}
 
 
+def _compiled_ahead(child: dict) -> str:
+    """One worker of compile_ahead: its engine, how it ended, when it was ready and how long it compiled."""
+    batch, cache, _ = child["engine"]
+    times = [f"{label} {child[key]:.1f} s" for key, label in (("ready_s", "ready after"), ("sent_s", "names after"))
+             if child.get(key) is not None]
+    if child.get("seconds") is not None:
+        times.append(f"compiled {child['seconds']:.1f} s after the names")
+    return f"C={batch} cache {cache} {child['status']}" + (f" ({', '.join(times)})" if times else "")
+
+
 def report_document(report: dict) -> Document:
     env, work = report.get("environment") or {}, report.get("workload") or {}
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "cuda", "python", "optiq") if env.get(k))
@@ -337,9 +347,7 @@ def report_document(report: dict) -> Document:
         facts.append(("timings", ", ".join(f"{k.removesuffix('_s')} {_fmt(v, '.1f', ' s')}"
                                            for k, v in timings.items())))
     if report.get("compile_ahead"):
-        facts.append(("kernels compiled ahead", "; ".join(
-            f"C={child['engines'][0][0]} {child['status']}"
-            + (f" in {child['seconds']:.1f} s" if child["seconds"] else "") for child in report["compile_ahead"])))
+        facts.append(("kernels compiled ahead", "; ".join(map(_compiled_ahead, report["compile_ahead"]))))
     if (waits := time_to_optimized(report)) is not None:
         optimized, warmup = waits
         facts.append(("time to optimized", f"{optimized:.1f} s (patch + gate + capture)" + (

@@ -1,5 +1,5 @@
-"""Kernels compiled ahead in child processes: the one-layer copy of a config, the engines each child steps through,
-and children that really run (on the CPU under the interpreter; on a GPU they must leave the kernels in Triton's
+"""Kernels compiled ahead in worker processes: the one-layer copy of a config, the engine each worker steps
+through, and workers that really run (on the CPU under the interpreter; on a GPU they must leave the kernels in Triton's
 on-disk cache)."""
 
 from pathlib import Path
@@ -25,45 +25,65 @@ def test_one_layer_of_each_kind_keeps_the_shapes_and_cuts_per_layer_lists(preset
         assert len(cut.layer_types) == layers and len(config.layer_types) == config.num_hidden_layers
 
 
-def test_each_concurrency_gets_a_child_with_the_gate_and_workload_engines_and_the_largest_the_capture():
-    plan = compile_ahead.engines(GATE, prompt_len=512, max_len=1024)
-    assert plan == [[(64, 514, 512), (64, 577, 512), (64, 1024, 512)],
-                    [(16, 577, 512), (16, 1024, 512)],
-                    [(1, 577, 512), (1, 1024, 512)]]
+def test_each_engine_the_fused_model_meets_gets_a_worker_in_the_order_it_meets_them():
+    assert compile_ahead.engines(GATE, prompt_len=512, max_len=1024) == [
+        (64, 514, 512), (1, 577, 512), (16, 577, 512), (64, 577, 512), (1, 1024, 512), (16, 1024, 512),
+        (64, 1024, 512)]
 
 
-def test_source_is_none_off_cuda_and_when_turned_off(monkeypatch):
-    assert compile_ahead.source(torch.device("cpu"), "tiny-llama", "fp32", (), 16, 40) is None
+def test_no_workers_off_cuda_or_when_turned_off(monkeypatch):
+    with compile_ahead.workers(torch.device("cpu"), "tiny-llama", "fp32", (), 16, 40, GATE) as ahead:
+        assert ahead is None
     monkeypatch.setenv("OPTIQ_COMPILE_AHEAD", "0")
-    assert compile_ahead.source(torch.device("cuda"), "tiny-llama", "fp32", (), 16, 40) is None
+    with compile_ahead.workers(torch.device("cuda"), "tiny-llama", "fp32", (), 16, 40, GATE) as ahead:
+        assert ahead is None
 
 
-def _run_children(names, dtype):
-    source = compile_ahead.Source("tiny-llama", dtype, (), prompt_len=8, max_len=24)
-    gate = {"concurrencies": (1, 2), "steps": 4, "prompt_len": 8, "mode": "eager"}
-    with compile_ahead.running(source, names, gate) as children:
-        pass  # the block ends at once: every child is waited for (or stopped) on the way out
+DTYPE = "bf16" if torch.cuda.is_available() else "fp32"
+SMALL_GATE = {"concurrencies": (2,), "steps": 4, "prompt_len": 8, "mode": "eager"}  # three engines, three workers
+
+
+def _workers():
+    return compile_ahead.Workers(compile_ahead.Source("tiny-llama", DTYPE, (), prompt_len=8, max_len=24), SMALL_GATE)
+
+
+def _compile(workers, names):
+    with workers.compiling(names) as children:
+        pass  # the block ends at once: every worker is waited for (or stopped) on the way out
     return children
 
 
-def test_children_run_the_patched_one_layer_model_or_say_why_they_failed(monkeypatch):
-    monkeypatch.setattr(compile_ahead.subprocess.Popen, "poll", lambda self: self.wait())  # let them finish
-    dtype = "bf16" if torch.cuda.is_available() else "fp32"
-    done = _run_children(["rmsnorm", "decode_attention"], dtype)
-    assert [c.status for c in done] == ["done", "done"] and all(c.seconds > 0 for c in done)
-    assert [len(c.engines) for c in done] == [3, 2]
-    failed = _run_children(["no_such_recipe"], dtype)
+@pytest.fixture
+def waited_for(monkeypatch):
+    """Workers' ends wait for them to finish instead of stopping them."""
+    monkeypatch.setattr(compile_ahead.subprocess.Popen, "poll", lambda self: self.wait())
+
+
+def test_workers_run_the_patched_one_layer_model_or_say_why_they_failed(waited_for):
+    workers = _workers()
+    done = _compile(workers, ["rmsnorm", "decode_attention"])
+    assert [c.status for c in done] == ["done"] * 3 and [c.engine for c in done] == [(2, 10, 8), (2, 13, 8),
+                                                                                      (2, 24, 8)]
+    assert all(c.ready_s > 0 and c.seconds > 0 for c in done)
+    failed = _compile(workers, ["no_such_recipe"])  # a second round: new workers
     assert all(c.status.startswith("failed: KeyError") and "no_such_recipe" in c.status for c in failed)
+    assert all(c.ready_s > 0 and c.seconds is None for c in failed)  # they got as far as waiting for the names
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the interpreter compiles nothing")
-def test_children_leave_the_kernels_in_tritons_disk_cache(tmp_path, monkeypatch):
+def test_workers_leave_the_kernels_in_tritons_disk_cache(tmp_path, monkeypatch, waited_for):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(compile_ahead.subprocess.Popen, "poll", lambda self: self.wait())
-    assert [c.status for c in _run_children(["rmsnorm"], "bf16")] == ["done", "done"]
+    assert [c.status for c in _compile(_workers(), ["rmsnorm"])] == ["done"] * 3
     assert any(p.name == "_rmsnorm_kernel.json" for p in Path(tmp_path).rglob("*.json"))
 
 
-def test_children_still_compiling_when_the_gate_ends_are_stopped():
-    stopped = _run_children(["rmsnorm"], "fp32")
-    assert [c.status for c in stopped] == ["stopped", "stopped"] and all(c.seconds is None for c in stopped)
+def test_workers_still_compiling_when_the_gate_ends_are_stopped_and_unused_ones_on_close():
+    workers = _workers()
+    processes = [w.process for w in workers.waiting]
+    stopped = _compile(workers, ["rmsnorm"])
+    assert [c.status for c in stopped] == ["stopped"] * 3 and all(c.seconds is None for c in stopped)
+    assert all(p.returncode is not None for p in processes)
+    unused = _workers()
+    processes = [w.process for w in unused.waiting]
+    unused.close()
+    assert all(p.returncode is not None for p in processes) and not unused.waiting

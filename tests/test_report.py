@@ -142,13 +142,17 @@ def test_markdown_has_every_section_and_the_gate_verdicts(tmp_path):
     assert md.count("| passed |") == 2
 
 
-def test_children_that_compiled_ahead_are_listed_with_their_outcome(tmp_path):
+def test_workers_that_compiled_ahead_are_listed_with_their_outcome_and_times(tmp_path):
     report = h200_report()
-    report["compile_ahead"] = [{"engines": [[64, 514, 512], [64, 577, 512]], "status": "done", "seconds": 17.13},
-                               {"engines": [[1, 577, 512]], "status": "stopped", "seconds": None}]
+    report["compile_ahead"] = [
+        {"engine": [64, 514, 512], "status": "done", "ready_s": 8.43, "sent_s": 10.0, "seconds": 4.17},
+        {"engine": [1, 1024, 512], "status": "stopped", "ready_s": 9.0, "sent_s": 10.0, "seconds": None},
+        {"engine": [1, 577, 512], "status": "failed: OSError", "ready_s": None, "sent_s": 10.0, "seconds": None}]
     run = run_dir_with(tmp_path, report)
     write_report(run)
-    assert "C=64 done in 17.1 s; C=1 stopped" in (run / "report.md").read_text()
+    assert ("C=64 cache 514 done (ready after 8.4 s, names after 10.0 s, compiled 4.2 s after the names); C=1 cache "
+            "1024 stopped (ready after 9.0 s, names after 10.0 s); C=1 cache 577 failed: OSError (names after 10.0 s)"
+            ) in (run / "report.md").read_text()
 
 
 def test_html_is_self_contained_with_three_plots():

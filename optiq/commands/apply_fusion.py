@@ -98,23 +98,24 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
         with err.status(f"loading {model_spec}"):
             model = load_model(model_spec, torch_dtype, device)
         bandwidth = copy_bandwidth(device)
-        before = profile_all("attribution_before", "before")
-        kernels = {c: weighted_kernels([t]) for c, t in before.items()}
-        found = proposals(catalog, kernels, model.config.model_type)
-        report["proposals"] = {str(c): [asdict(p) for p in ps] for c, ps in found.items()}
-        names = choose_recipes(requested, catalog, found, min_share)
-        if not names:
-            raise OptiqError(f"no recipe to apply: no proposal covers {min_share}% of the step")
-        variants = [(mode, mode, None)]
-        if "compile" in compare:
-            variants.append((compile_variant(mode), mode, compiled_forward(model)))
-        measure("before", variants)
-
-        patches = fuse(model, catalog, names, report,
-                       gate_settings(concurrencies, gate_steps, prompt_len, max_len, mode),
-                       choose_again(requested, catalog, kernels, model.config.model_type, min_share),
-                       on_round=save, status=err.status,
-                       ahead=compile_ahead.source(device, model_spec, args["dtype"], recipes_dir, prompt_len, max_len))
+        gate = gate_settings(concurrencies, gate_steps, prompt_len, max_len, mode)
+        # The workers start up while the model is profiled, and wait (idle) while it is measured.
+        with compile_ahead.workers(device, model_spec, args["dtype"], recipes_dir, prompt_len, max_len,
+                                   gate) as ahead:
+            before = profile_all("attribution_before", "before")
+            kernels = {c: weighted_kernels([t]) for c, t in before.items()}
+            found = proposals(catalog, kernels, model.config.model_type)
+            report["proposals"] = {str(c): [asdict(p) for p in ps] for c, ps in found.items()}
+            names = choose_recipes(requested, catalog, found, min_share)
+            if not names:
+                raise OptiqError(f"no recipe to apply: no proposal covers {min_share}% of the step")
+            variants = [(mode, mode, None)]
+            if "compile" in compare:
+                variants.append((compile_variant(mode), mode, compiled_forward(model)))
+            measure("before", variants)
+            patches = fuse(model, catalog, names, report, gate,
+                           choose_again(requested, catalog, kernels, model.config.model_type, min_share),
+                           on_round=save, status=err.status, ahead=ahead)
         if patches.applied:
             measure("after", [(mode, mode, None)], engine_patches=patches)
             report["timings"]["capture_s"] = sum(r.get("warmup_s", 0.0) for r in report["after"]["rows"])

@@ -157,23 +157,25 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
             variants.append((compile_variant(mode), mode, compiled_forward(model)))
         sweep_with_progress(model_spec, model, concurrencies, workload, variants, bandwidth, save, measured)
         if requested:
-            kernels = {}
-            if requested == "auto":
-                for batch in concurrencies:
-                    with err.status(f"profiling {model_spec} C={batch} for the proposals"):
-                        trace = profile_step(model, batch, prompt_len, max_len, mode, run.path, PROFILED_STEPS,
-                                             "before_")
-                    kernels[batch] = weighted_kernels([trace])
-                    free_memory()
-            found = proposals(catalog, kernels, model.config.model_type)
-            names = choose_recipes(requested, catalog, found, min_share)
-            if not names:
-                raise OptiqError(f"no recipe to apply: no proposal covers {min_share}% of the step")
-            patches = fuse(model, catalog, names, fusion,
-                           gate_settings(concurrencies, gate_steps, prompt_len, max_len, mode),
-                           choose_again(requested, catalog, kernels, model.config.model_type, min_share),
-                           on_round=save, status=err.status, ahead=compile_ahead.source(
-                               device, model_spec, args["dtype"], recipes_dir, prompt_len, max_len))
+            gate = gate_settings(concurrencies, gate_steps, prompt_len, max_len, mode)
+            # The workers start up while the model is profiled for the proposals.
+            with compile_ahead.workers(device, model_spec, args["dtype"], recipes_dir, prompt_len, max_len,
+                                       gate) as ahead:
+                kernels = {}
+                if requested == "auto":
+                    for batch in concurrencies:
+                        with err.status(f"profiling {model_spec} C={batch} for the proposals"):
+                            trace = profile_step(model, batch, prompt_len, max_len, mode, run.path, PROFILED_STEPS,
+                                                 "before_")
+                        kernels[batch] = weighted_kernels([trace])
+                        free_memory()
+                found = proposals(catalog, kernels, model.config.model_type)
+                names = choose_recipes(requested, catalog, found, min_share)
+                if not names:
+                    raise OptiqError(f"no recipe to apply: no proposal covers {min_share}% of the step")
+                patches = fuse(model, catalog, names, fusion, gate,
+                               choose_again(requested, catalog, kernels, model.config.model_type, min_share),
+                               on_round=save, status=err.status, ahead=ahead)
             if patches.applied:
                 sweep_with_progress(f"{model_spec} optiq", model, concurrencies, workload,
                                     [(f"optiq+{mode}", mode, None)], bandwidth, save, fused, engine_patches=patches)
