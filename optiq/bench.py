@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from optiq.engine import WARMUP_STEPS, DecodeEngine
+from optiq.engine import WARMUP_STEPS, opened
 from optiq.errors import OptiqError
 from optiq.roofline import floor_ms_per_step
 from optiq.timing import Timer
@@ -59,10 +59,7 @@ def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: 
     row = {"variant": variant or mode, "mode": mode, "concurrency": batch}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    engine = DecodeEngine(model, batch, workload.max_len, mode=mode, forward=forward)
-    if engine_patches is not None:
-        engine_patches.attach(engine)
-    try:
+    with opened(model, batch, workload.max_len, mode, forward, engine_patches) as engine:
         generator = torch.Generator().manual_seed(batch)
         prompt = torch.randint(model.config.get_text_config(decoder=True).vocab_size, (batch, workload.prompt_len),
                                generator=generator)
@@ -80,11 +77,6 @@ def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: 
                 for _ in range(workload.new_tokens):
                     engine.step()
             times.append(decode.seconds)
-    finally:
-        if engine_patches is not None:
-            engine_patches.detach(engine)
-        engine.release()
-        del engine
     seconds = statistics.median(times)
     ms_per_step = seconds / workload.new_tokens * 1e3
     mean_length = workload.prompt_len + (workload.new_tokens + 1) / 2

@@ -83,15 +83,13 @@ def one_layer_model(source: dict) -> tuple[torch.nn.Module, dict]:
 
 def compile_engine(model: torch.nn.Module, catalog: dict, names: list[str], engine: tuple[int, int, int]) -> None:
     """A worker's work: ``model`` patched with ``names``, one prefill and ENGINE_STEPS eager steps in ``engine``."""
-    from optiq.engine import DecodeEngine
+    from optiq.engine import opened
     from optiq.patching import apply
 
     batch, max_len, prompt_len = engine
     patches = apply(model, [catalog[n] for n in names])
     vocab = model.config.get_text_config(decoder=True).vocab_size
-    with torch.inference_mode():
-        decode = DecodeEngine(model, batch, max_len)
-        patches.attach(decode)
+    with torch.inference_mode(), opened(model, batch, max_len, engine_patches=patches) as decode:
         decode.prefill(torch.randint(0, vocab, (batch, prompt_len)))
         for _ in range(ENGINE_STEPS):
             decode.step()

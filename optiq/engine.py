@@ -10,6 +10,7 @@ tensors that the step itself advances: the cache's per-layer fill counters (tran
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -145,3 +146,19 @@ class DecodeEngine:
         """Drop the graph and the cache so their memory can be reused by the next concurrency."""
         self.graph = self.graph_logits = None
         self.cache = None
+
+
+@contextmanager
+def opened(model: torch.nn.Module, batch: int, max_len: int, mode: str = "eager", forward: Callable | None = None,
+           engine_patches=None):
+    """A DecodeEngine for the block, with the engine recipes of ``engine_patches`` (optiq.patching.Patches)
+    attached; on the way out they are detached and its graph and cache released for the next one."""
+    engine = DecodeEngine(model, batch, max_len, mode=mode, forward=forward)
+    if engine_patches is not None:
+        engine_patches.attach(engine)
+    try:
+        yield engine
+    finally:
+        if engine_patches is not None:
+            engine_patches.detach(engine)
+        engine.release()

@@ -10,7 +10,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from optiq.annotate import annotated, range_
-from optiq.engine import WARMUP_STEPS, DecodeEngine
+from optiq.engine import WARMUP_STEPS, opened
 
 PROFILED_STEPS = 4
 
@@ -23,10 +23,7 @@ def capture(model: torch.nn.Module, batch: int, prompt_len: int, max_len: int, m
     ``engine_patches`` (optiq.patching.Patches) installs the recipes that patch the engine, as the timed runs do.
     """
     device = next(model.parameters()).device
-    engine = DecodeEngine(model, batch, max_len, mode=mode)
-    if engine_patches is not None:
-        engine_patches.attach(engine)
-    try:
+    with opened(model, batch, max_len, mode, engine_patches=engine_patches) as engine:
         generator = torch.Generator().manual_seed(batch)
         vocab = model.config.get_text_config(decoder=True).vocab_size
         engine.prefill(torch.randint(vocab, (batch, prompt_len), generator=generator))
@@ -49,10 +46,6 @@ def capture(model: torch.nn.Module, batch: int, prompt_len: int, max_len: int, m
                 if n == steps - 1:
                     _synchronize(device)  # the tracer stops at this prof.step(): let the last kernels finish
                 prof.step()
-    finally:
-        if engine_patches is not None:
-            engine_patches.detach(engine)
-        engine.release()
     return path
 
 
