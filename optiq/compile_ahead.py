@@ -7,11 +7,13 @@ depends on the shapes of a layer, not on the number of layers or the weights' va
 one layer of each kind, patched with the same recipes and stepped through the same engine, compiles the same ones.
 
 One worker process per engine the fused model will run in starts before the proposals are profiled: it imports,
-builds that copy and waits for the recipes' names (starting one took longer than the gate's 12 s of baselines in
-session 9). Given them, it compiles while the gate runs the unpatched model, and Triton writes the kernels to its
-on-disk cache (atomically), where the gate and the graph captures after it find them. It is best effort: a kernel not
-there yet is compiled in place as before, and a worker that fails costs nothing but its own time. CUDA only (the
-interpreter compiles nothing); ``OPTIQ_COMPILE_AHEAD=0`` turns it off, to measure what it buys.
+builds that copy and waits for the recipes' names (starting one takes 11-14 s on the H200, about as long as the
+gate's baselines on llama-3.1-8b; BENCHMARKS.md, session 10). Given them, it compiles while the gate runs the
+unpatched model, and Triton writes the kernels to its on-disk cache (atomically), where the gate and the graph
+captures after it find them. It is best effort: a kernel not there yet is compiled in place as before, and a worker
+that fails costs nothing but its own time. While they wait, the workers hold their CUDA contexts and copies in GPU
+memory. CUDA only (the interpreter compiles nothing); ``OPTIQ_COMPILE_AHEAD=0`` turns it off, to measure what it
+buys.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def compile_engine(model: torch.nn.Module, catalog: dict, names: list[str], engi
 
 @dataclass
 class Child:
+    """What one worker did, for the report."""
     engine: tuple[int, int, int]
     status: str = "running"  # done, stopped (still compiling when the gate ended) or failed: its last error line
     ready_s: float | None = None  # from its start until it was ready for the names (imports, CUDA, the model)
@@ -108,7 +111,7 @@ class Child:
 
 class _Worker:
     """One worker process, started at once. It prints the time when it is ready, waits for the names on its stdin
-    (EOF: it exits unused), and prints the time when it has compiled."""
+    (EOF, when this process is gone: it exits unused), and prints the time when it has compiled."""
 
     def __init__(self, source: Source, engine: tuple[int, int, int]):
         self.child = Child(engine)

@@ -7,7 +7,7 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from optiq.engine import DecodeEngine
+from optiq.engine import DecodeEngine, opened
 from optiq.errors import OptiqError
 from optiq.patching import apply, patches_of, unpatch
 from optiq.recipes import load_catalog
@@ -16,14 +16,9 @@ from wrong_kernels import user_recipe
 
 def decode(model, steps=3, batch=2, patches=None):
     """Logits of ``steps`` greedy decode steps after a short seeded prompt."""
-    engine = DecodeEngine(model, batch, 16)
-    if patches is not None:
-        patches.attach(engine)
-    engine.prefill(torch.randint(0, 256, (batch, 5), generator=torch.Generator().manual_seed(0)))
-    logits = torch.stack([engine.step().clone() for _ in range(steps)])
-    if patches is not None:
-        patches.detach(engine)
-    return logits
+    with opened(model, batch, 16, engine_patches=patches) as engine:
+        engine.prefill(torch.randint(0, 256, (batch, 5), generator=torch.Generator().manual_seed(0)))
+        return torch.stack([engine.step().clone() for _ in range(steps)])
 
 
 def bindings(model):
@@ -154,4 +149,16 @@ def test_engine_recipes_are_in_the_profiled_step(tmp_path):
     names = {e.get("name", "") for e in json.load(gzip.open(tmp_path / "trace_eager_C2.json.gz"))["traceEvents"]}
     assert any("greedy_sample" in n for n in names) and not any(n == "aten::argmax" for n in names)
     assert patches.applied["greedy_sample"].engines == []
+    unpatch(model)
+
+
+def test_an_opened_engine_is_detached_and_released_even_when_its_block_fails():
+    from optiq.models import load_model
+
+    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    patches = apply(model, [load_catalog()["greedy_sample"]])
+    with pytest.raises(RuntimeError, match="the block failed"), opened(model, 2, 16, engine_patches=patches) as engine:
+        assert patches.applied["greedy_sample"].engines == [engine]
+        raise RuntimeError("the block failed")
+    assert patches.applied["greedy_sample"].engines == [] and engine.cache is None
     unpatch(model)
