@@ -154,11 +154,11 @@ class Workers:
     """One waiting worker per engine of the gate ``gate`` (fusing.gate_settings) and the workload in ``source``."""
 
     def __init__(self, source: Source, gate: dict):
-        self.source, self.gate = source, gate
+        self.source, self.plan = source, engines(gate, source.prompt_len, source.max_len)
         self.waiting = self._start()
 
     def _start(self) -> list[_Worker]:
-        return [_Worker(self.source, e) for e in engines(self.gate, self.source.prompt_len, self.source.max_len)]
+        return [_Worker(self.source, e) for e in self.plan]
 
     @contextmanager
     def compiling(self, names: list[str]):

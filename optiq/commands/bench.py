@@ -158,7 +158,7 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
         sweep_with_progress(model_spec, model, concurrencies, workload, variants, bandwidth, save, measured)
         if requested:
             gate = gate_settings(concurrencies, gate_steps, prompt_len, max_len, mode)
-            # The workers start up while the model is profiled for the proposals.
+            # The workers start up while the model is profiled for the proposals (with auto; named recipes skip it).
             with compile_ahead.workers(device, model_spec, args["dtype"], recipes_dir, prompt_len, max_len,
                                        gate) as ahead:
                 kernels = {}
