@@ -8,7 +8,6 @@
 #   row:MODEL      optiq bench --model MODEL --compare $PEERS --recipes auto on workload W1: one row of the issue-6
 #                  table in one run (PEERS defaults to eager,compile; PEERS=compile leaves out HF eager; ROW_C
 #                  sets the concurrencies, 1,16,64 by default)
-#   rope           scripts/rope_rounding.py: which rounding the rope kernel does on the GPU
 #   bench:F[,F]    scripts/bench_fusions.py for those fusions (e.g. bench:moe_experts,mla_decode) into $OUT
 #   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear) under fixed tile configs against its heuristic
 #   gpu-tests:F[,F]  the GPU tests of those fusions only
@@ -62,7 +61,6 @@ for stage in "$@"; do
              tests/test_validation.py::test_graph_mode_gate_checks_the_captured_patched_model 2>&1 | tee -a $OUT/log.txt ;;
     apply:*) timeout "$(limit "$STAGE_S")" python3 -m optiq apply-fusion --model "${stage#apply:}" --recipes auto \
                ${COMPARE:+--compare "$COMPARE"} --runs-dir "$OUT/runs/${stage#apply:}-apply" 2>&1 | tee -a $OUT/log.txt ;;
-    rope) python3 scripts/rope_rounding.py 2>&1 | tee -a $OUT/log.txt ;;
     tiles:*) timeout "$(limit 300)" python3 scripts/tiles.py "${stage#tiles:}" "$OUT/tiles_${stage#tiles:}.json" 2>&1 \
                | tee -a $OUT/log.txt ;;
     gpu-tests:*) names=${stage#gpu-tests:}
