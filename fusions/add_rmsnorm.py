@@ -8,7 +8,7 @@ one set of rounding rules.
 import torch
 from torch.library import triton_op
 
-from fusions.rmsnorm import launch_rmsnorm, rmsnorm_reference
+from optiq.fusions.rmsnorm import launch_rmsnorm, rmsnorm_reference
 
 
 @triton_op("optiq::add_rmsnorm", mutates_args=("normed", "new_residual"))

@@ -8,8 +8,8 @@ launch overhead, not bytes: qwen3-0.6b's C=1 step spends a third of its GPU time
 
 import torch
 
-from fusions.qkv_proj import qkv_proj, qkv_proj_reference
-from fusions.rope import rope, rope_reference
+from optiq.fusions.qkv_proj import qkv_proj, qkv_proj_reference
+from optiq.fusions.rope import rope, rope_reference
 
 
 def attention_prologue(x: torch.Tensor, w_qkv: torch.Tensor, split_sizes: tuple[int, int, int],

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusions.launch import launch_options, multiprocessor_count, wait_for_predecessor
+from optiq.fusions.launch import launch_options, multiprocessor_count, wait_for_predecessor
 
 LOG2E = 1.4426950408889634
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fusions.launch import launch_options, wait_for_predecessor
+from optiq.fusions.launch import launch_options, wait_for_predecessor
 
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:

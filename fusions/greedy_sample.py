@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from fusions.launch import launch_options, wait_for_predecessor
-from fusions.rmsnorm import as_rows
+from optiq.fusions.launch import launch_options, wait_for_predecessor
+from optiq.fusions.rmsnorm import as_rows
 
 TILES_PER_ROW = 32  # vocab 128256: 32 programs at rows = 1, more than 132 from rows = 5 on
 LARGEST_TILE = 4096  # vocab entries per program: 16 per thread at 8 warps, all loads in flight at once

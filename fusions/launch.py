@@ -8,9 +8,8 @@ replay). Launched with PDL, a kernel's programs may be resident before its prede
 (``griddepcontrol.wait``) until the predecessor has completed and its writes are visible, then lets its own successor
 launch. Waiting first, before any load or store, keeps every read-after-write and write-after-read order of the
 stream, so the kernels need no other change. A predecessor launched without PDL (cuBLAS, torch's own kernels) just
-ends the overlap there: its successor starts when it completes, as without PDL. On the H200, alone (session 6's
-recipes, where most boundaries were with cuBLAS or torch kernels): +1.5% qwen3-0.6b decode tok/s at C=1, +2.4% at
-C=16, -0.2% at C=64; llama-3.1-8b +0.6%, +0.7%, -0.8% (BENCHMARKS.md, session 7).
+ends the overlap there: its successor starts when it completes, as without PDL. What it buys alone is in
+BENCHMARKS.md (scripts/pdl_ab.py).
 
 Off under the Triton interpreter (it has no such instructions), under torch.compile (its tracing tensors are not
 plain ones; it launches kernels its own way and cannot analyse the wait's inline assembly), before Hopper, and with

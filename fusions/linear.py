@@ -3,10 +3,9 @@
 At decode x has one row per sequence and the GEMM's cost is reading W once. Each program streams BLOCK_N rows of W
 over all of K in wide tiles with several loads in flight, x (padded to the 16 rows a tensor-core dot takes) comes from
 L2, and there is one launch, where cuBLAS splits K and adds the splits in a second kernel (qwen3-0.6b's o_proj and
-down_proj, llama-3.1-8b's down_proj) or leaves SMs idle (96 CTAs for llama-3.1-8b's QKV GEMM). Measured on the H200
-at one row, weights from HBM (scripts/tiles.py linear, BENCHMARKS.md session 7), against cuBLAS: qwen3-0.6b QKV 4.5 vs
-5.2 us, o_proj 4.5 vs 12.6, down 5.7 vs 7.6; llama-3.1-8b QKV 14.8 vs 15.8, o_proj 10.5 vs 13.7, down 29.0 vs 31.3.
-Past DECODE_ROWS rows the GEMM goes to cuBLAS, through F.linear (at 64 rows it was 30% faster than this kernel).
+down_proj, llama-3.1-8b's down_proj) or leaves SMs idle (96 CTAs for llama-3.1-8b's QKV GEMM); at one row it beat
+cuBLAS on every preset GEMM measured (scripts/tiles.py linear; BENCHMARKS.md has the times). Past DECODE_ROWS rows
+the GEMM goes to cuBLAS, through F.linear, which was faster there.
 A residual may be added in the epilogue (the decoder layer's add after down_proj), so the sum is written once, with
 one rounding, and costs no kernel of its own.
 """
@@ -16,8 +15,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fusions.gate_up_swiglu import fp32_dot, stream_dot
-from fusions.launch import launch_options, multiprocessor_count, wait_for_predecessor
+from optiq.fusions.gate_up_swiglu import fp32_dot, stream_dot
+from optiq.fusions.launch import launch_options, multiprocessor_count, wait_for_predecessor
 
 DECODE_ROWS = 16  # rows up to which the streaming kernel is used
 BLOCK_M = 16  # the smallest M of a tensor-core dot

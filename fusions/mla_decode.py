@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fusions.decode_attention import (LOG2E, _decode_attention_combine_kernel, _launch_config, online_softmax_step,
-                                      split_bounds, split_result)
-from fusions.launch import launch_options, wait_for_predecessor
+from optiq.fusions.decode_attention import (LOG2E, _decode_attention_combine_kernel, _launch_config,
+                                            online_softmax_step, split_bounds, split_result)
+from optiq.fusions.launch import launch_options, wait_for_predecessor
 
 
 @triton.jit

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fusions.gate_up_swiglu import dot_accumulate, fp32_dot
-from fusions.launch import launch_options, wait_for_predecessor
+from optiq.fusions.gate_up_swiglu import dot_accumulate, fp32_dot
+from optiq.fusions.launch import launch_options, wait_for_predecessor
 
 
 @triton.jit

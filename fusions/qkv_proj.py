@@ -3,8 +3,8 @@
 Eager HF launches three GEMMs per layer on the same input; at decode each is a weight-streaming GEMV that pays its
 own launch, its own ramp-up and tail. One GEMM over [Dq + Dk + Dv, H] streams the same bytes with one launch and
 a wider N that fills the GPU better (llama-3.1-8b: the K and V GEMMs are only N = 1024 each). At decode's few rows
-the GEMM is fusions.linear's streaming kernel (on the H200 at one row, weights from HBM: 4.5 us for qwen3-0.6b's where
-cuBLAS took 5.2, 14.8 us for llama-3.1-8b's where cuBLAS took 15.8; BENCHMARKS.md, session 7), past them cuBLAS's.
+the GEMM is optiq.fusions.linear's streaming kernel (faster than cuBLAS at one row; BENCHMARKS.md), past them
+cuBLAS's.
 q, k and v come back as views split along the last dim of the one output, as three nn.Linear outputs would be used.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from fusions.linear import launch_linear
+from optiq.fusions.linear import launch_linear
 
 
 def concat_qkv_weights(w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusions.launch import launch_options, wait_for_predecessor
+from optiq.fusions.launch import launch_options, wait_for_predecessor
 from torch.library import triton_op, wrap_triton
 
 LARGEST_HIDDEN = 65536  # a row must fit in one program's registers

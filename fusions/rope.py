@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusions.launch import launch_options, wait_for_predecessor
+from optiq.fusions.launch import launch_options, wait_for_predecessor
 
 
 @triton.jit

@@ -9,8 +9,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from fusions.launch import launch_options, wait_for_predecessor
-from fusions.rmsnorm import as_rows
+from optiq.fusions.launch import launch_options, wait_for_predecessor
+from optiq.fusions.rmsnorm import as_rows
 
 COLUMNS_PER_PROGRAM = 1024  # output columns per program: 8 bf16 (16 bytes) per thread at 4 warps
 

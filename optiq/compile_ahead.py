@@ -1,19 +1,17 @@
 """Triton kernels compiled ahead, in other processes, while the gate computes its baselines.
 
-With an empty kernel cache, nearly half of the time to optimized went to Triton's JIT: llama-3.1-8b on the H200 took
-32.6 s (patch + gate + capture) cold and 17.7 s with a warm cache, for 25 kernels compiled one after another at
-~0.6 s each, as the fused model first met each shape (BENCHMARKS.md, session 9). Which kernels a decode compiles
-depends on the shapes of a layer, not on the number of layers or the weights' values, so a copy of the model cut to
-one layer of each kind, patched with the same recipes and stepped through the same engine, compiles the same ones.
+With an empty kernel cache much of the time to optimized went to Triton's JIT, compiling one kernel after another
+as the fused model first met each shape (BENCHMARKS.md, sessions 9 and 10). Which kernels a decode compiles depends
+on the shapes of a layer, not on the number of layers or the weights' values, so a copy of the model cut to one
+layer of each kind, patched with the same recipes and stepped through the same engines, compiles the same ones.
 
-One worker process per engine the fused model will run in starts before the proposals are profiled: it imports,
-builds that copy and waits for the recipes' names (starting one takes 11-14 s on the H200, about as long as the
-gate's baselines on llama-3.1-8b; BENCHMARKS.md, session 10). Given them, it compiles while the gate runs the
-unpatched model, and Triton writes the kernels to its on-disk cache (atomically), where the gate and the graph
-captures after it find them. It is best effort: a kernel not there yet is compiled in place as before, and a worker
-that fails costs nothing but its own time. While they wait, the workers hold their CUDA contexts and copies in GPU
-memory. CUDA only (the interpreter compiles nothing); ``OPTIQ_COMPILE_AHEAD=0`` turns it off, to measure what it
-buys.
+One worker process per engine the fused model will run in (the gate's, which its plan publishes, then the measured
+workload's) starts before the proposals are profiled: it imports, builds that copy and waits for the recipes'
+names. Given them, it compiles while the gate runs the unpatched model, and Triton writes the kernels to its on-disk
+cache (atomically), where the gate and the graph captures after it find them. It is best effort: a kernel not there
+yet is compiled in place, and a worker that fails costs nothing but its own time. While they wait, the workers hold
+their CUDA contexts and copies in GPU memory. CUDA only (the interpreter compiles nothing);
+``OPTIQ_COMPILE_AHEAD=0`` turns it off, to measure what it buys.
 """
 
 from __future__ import annotations
@@ -27,10 +25,12 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from optiq.validation import capture_cache_len, decode_cache_len
+from optiq.gate.plan import GatePlan
+from optiq.record import CompiledAhead
 
 ENGINE_STEPS = 2  # eager decode steps per engine: the first compiles, the second meets the cache's next length
 
@@ -61,21 +61,16 @@ def one_layer_of_each_kind(config):
     return config
 
 
-def engines(gate: dict, prompt_len: int, max_len: int) -> list[tuple[int, int, int]]:
-    """The (batch, max_len, prompt_len) of every engine the fused model will first run in, in the order it does: the
-    gate's capture step (validation._capture, at the largest concurrency), its end-to-end decodes, then the measured
-    workload's."""
-    gated = gate["prompt_len"]
-    concurrencies = gate["concurrencies"]
-    return [(max(concurrencies), capture_cache_len(gated), gated),
-            *((c, decode_cache_len(gated, gate["steps"]), gated) for c in concurrencies),
-            *((c, max_len, prompt_len) for c in concurrencies)]
+def engines(plan: GatePlan, prompt_len: int, max_len: int) -> list[tuple[int, int, int]]:
+    """The (batch, cache length, prompt length) of every engine the fused model will first run in, in the order it
+    does: the gate's (``plan``), then the measured workload's."""
+    return [*plan.engines(), *((c, max_len, prompt_len) for c in plan.concurrencies)]
 
 
 def one_layer_model(source: dict) -> tuple[torch.nn.Module, dict]:
     """A worker's preparation: the one-layer copy of ``source``'s model on this process's device, and the catalog."""
     from optiq.models import load_config, random_model, resolve_dtype
-    from optiq.recipes import load_catalog
+    from optiq.catalog.recipes import load_catalog
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = random_model(one_layer_of_each_kind(load_config(source["model"])), resolve_dtype(source["dtype"], device),
@@ -89,9 +84,9 @@ def compile_engine(model: torch.nn.Module, catalog: dict, names: list[str], engi
     from optiq.patching import apply
 
     batch, max_len, prompt_len = engine
-    patches = apply(model, [catalog[n] for n in names])
+    apply(model, [catalog[n] for n in names])
     vocab = model.config.get_text_config(decoder=True).vocab_size
-    with torch.inference_mode(), opened(model, batch, max_len, engine_patches=patches) as decode:
+    with torch.inference_mode(), opened(model, batch, max_len) as decode:
         decode.prefill(torch.randint(0, vocab, (batch, prompt_len)))
         for _ in range(ENGINE_STEPS):
             decode.step()
@@ -99,14 +94,11 @@ def compile_engine(model: torch.nn.Module, catalog: dict, names: list[str], engi
         torch.cuda.synchronize()
 
 
-@dataclass
-class Child:
-    """What one worker did, for the report."""
-    engine: tuple[int, int, int]
-    status: str = "running"  # done, stopped (still compiling when the gate ended) or failed: its last error line
-    ready_s: float | None = None  # from its start until it was ready for the names (imports, CUDA, the model)
-    sent_s: float | None = None  # from its start until it was sent the names
-    seconds: float | None = None  # from the names until it had compiled, if it ended by itself
+def _same_optiq() -> dict[str, str]:
+    """The environment of a worker that imports this very optiq: the folder holding it first on its path, and not
+    the working directory (``-P``), where a folder of the same name would take its place."""
+    root = str(Path(__file__).resolve().parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
 
 
 class _Worker:
@@ -114,12 +106,12 @@ class _Worker:
     (EOF, when this process is gone: it exits unused), and prints the time when it has compiled."""
 
     def __init__(self, source: Source, engine: tuple[int, int, int]):
-        self.child = Child(engine)
+        self.child = CompiledAhead(list(engine))
         self.started = self.sent = time.time()
         self.log = tempfile.TemporaryFile()  # its stderr: why it failed, if it does
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "optiq.compile_ahead", json.dumps(asdict(source)), json.dumps(engine)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+            [sys.executable, "-P", "-m", "optiq.compile_ahead", json.dumps(asdict(source)), json.dumps(engine)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=_same_optiq())
 
     def send(self, names: list[str]) -> None:
         self.sent = time.time()
@@ -151,10 +143,10 @@ class _Worker:
 
 
 class Workers:
-    """One waiting worker per engine of the gate ``gate`` (fusing.gate_settings) and the workload in ``source``."""
+    """One waiting worker per engine of the gate's ``plan`` and of the workload in ``source``."""
 
-    def __init__(self, source: Source, gate: dict):
-        self.source, self.plan = source, engines(gate, source.prompt_len, source.max_len)
+    def __init__(self, source: Source, plan: GatePlan):
+        self.source, self.plan = source, engines(plan, source.prompt_len, source.max_len)
         self.waiting = self._start()
 
     def _start(self) -> list[_Worker]:
@@ -163,7 +155,7 @@ class Workers:
     @contextmanager
     def compiling(self, names: list[str]):
         """The workers compiling ``names``' kernels for the duration (new ones if the waiting ones were used by an
-        earlier round); yields their records (Child), final when the block ends, by which time every one has ended."""
+        earlier round); yields their records, final when the block ends, by which time every one has ended."""
         working = self.waiting or self._start()
         self.waiting = []
         for worker in working:
@@ -182,14 +174,14 @@ class Workers:
 
 
 @contextmanager
-def workers(device: torch.device, model: str, dtype: str, recipes_dirs, prompt_len: int, max_len: int, gate: dict):
-    """For ``fusing.fuse(ahead=)``, the workers for ``model`` (a preset or checkpoint directory), the workload and
-    the gate ``gate`` (fusing.gate_settings) for the duration, or None where nothing is compiled ahead (module
-    docstring); those still running when the block ends are stopped."""
+def workers(device: torch.device, source: Source, plan: GatePlan):
+    """For ``workflow.fuse(ahead=)``, the workers for ``source``'s model and workload and the gate's ``plan`` for the
+    duration, or None where nothing is compiled ahead (module docstring); those still running when the block ends
+    are stopped."""
     if device.type != "cuda" or os.environ.get("OPTIQ_COMPILE_AHEAD", "1") == "0":
         yield None
         return
-    pool = Workers(Source(model, dtype, tuple(recipes_dirs), prompt_len, max_len), gate)
+    pool = Workers(source, plan)
     try:
         yield pool
     finally:

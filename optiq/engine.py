@@ -39,6 +39,13 @@ def cache_layout(config) -> tuple[int, int, int]:
     return config.num_key_value_heads, head_dim, head_dim
 
 
+def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The next token of each sequence, [batch, 1]: the greedy pick. Steps look it up here each time they run, so a
+    recipe may replace it (a ``function`` patch of ``optiq.engine:sample_greedy``) and graphs capture the
+    replacement."""
+    return logits.argmax(-1, keepdim=True)
+
+
 class DecodeEngine:
     """Decode ``batch`` sequences of one model with a static cache of ``max_len`` positions.
 
@@ -85,7 +92,7 @@ class DecodeEngine:
         self.seek(0)
         positions = torch.arange(length, device=self.device).expand(batch, length)
         logits = self._model_call(self.model, prompt.to(self.device), positions)
-        self.tokens.copy_(self.sample(logits))
+        self.tokens.copy_(sample_greedy(logits))
         self.seek(length)
         return logits
 
@@ -96,13 +103,9 @@ class DecodeEngine:
         self.positions.fill_(length)
         self.length = length
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """Greedy: the next token of each sequence, [batch, 1]."""
-        return logits.argmax(-1, keepdim=True)
-
     def _step(self) -> torch.Tensor:
         logits = self._model_call(self.forward, self.tokens, self.positions)
-        self.tokens.copy_(self.sample(logits))
+        self.tokens.copy_(sample_greedy(logits))
         self.positions.add_(1)
         return logits
 
@@ -149,16 +152,10 @@ class DecodeEngine:
 
 
 @contextmanager
-def opened(model: torch.nn.Module, batch: int, max_len: int, mode: str = "eager", forward: Callable | None = None,
-           engine_patches=None):
-    """A DecodeEngine for the block, with the engine recipes of ``engine_patches`` (optiq.patching.Patches)
-    attached; on the way out they are detached and its graph and cache released for the next one."""
+def opened(model: torch.nn.Module, batch: int, max_len: int, mode: str = "eager", forward: Callable | None = None):
+    """A DecodeEngine for the block; on the way out its graph and cache are released for the next one."""
     engine = DecodeEngine(model, batch, max_len, mode=mode, forward=forward)
-    if engine_patches is not None:
-        engine_patches.attach(engine)
     try:
         yield engine
     finally:
-        if engine_patches is not None:
-            engine_patches.detach(engine)
         engine.release()

@@ -11,14 +11,16 @@ from __future__ import annotations
 import html
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from optiq import record
 from optiq.errors import OptiqError
+from optiq.record import CompiledAhead, Fusion, Row, RunRecord
 from optiq.rundir import write_atomic
 
-REPORT_FILE = "report.json"
+RECORD_FILES = ("report.json", "results.json")  # apply-fusion's, bench's
 STACK_CLASSES = 8  # op classes drawn in the stacked bars; the rest are summed as REST
 REST = "the rest"  # not "other", which is an op class of its own
 
@@ -66,92 +68,81 @@ class Document:
 
 # --- reading -------------------------------------------------------------------------------------------------------
 
-def load_report(run_dir: Path | str) -> dict:
-    """The run's report.json; anything else is a one-line user error."""
+def load_report(run_dir: Path | str) -> RunRecord:
+    """The run's record (report.json of apply-fusion, results.json of bench), checked; anything else is a one-line
+    user error."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise OptiqError(f"{run_dir} is not a directory")
-    path = run_dir / REPORT_FILE
-    if not path.is_file():
-        raise OptiqError(f"{run_dir} has no {REPORT_FILE} (is it an apply-fusion run directory?)")
-    try:
-        report = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OptiqError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(report, dict):
-        raise OptiqError(f"{path} is not a report: expected a JSON object")
-    return report
+    path = next((run_dir / name for name in RECORD_FILES if (run_dir / name).is_file()), None)
+    if path is None:
+        raise OptiqError(f"{run_dir} has no {' or '.join(RECORD_FILES)} (is it an apply-fusion or bench run "
+                         f"directory?)")
+    return record.load(path)
 
 
-def compile_variant(mode: str) -> str:
-    """The variant name of torch.compile's rows in engine ``mode``: how reports and tables tell the peer's rows."""
-    return f"compile+{mode}"
+def _rows(run: RunRecord, state: str, compiled: bool = False) -> dict[int, Row]:
+    """One row per concurrency: the model's own rows (after: the fused model's), or torch.compile's peer rows."""
+    rows = run.after if state == "after" else [r for r in run.before
+                                               if r.variant in (run.mode, record.compile_variant(run.mode))]
+    return {r.concurrency: r for r in rows if r.is_compile == compiled}
 
 
-def is_compile_row(row: dict) -> bool:
-    return row.get("variant", "").startswith(compile_variant(""))
-
-
-def _rows(report: dict, state: str, compiled: bool = False) -> dict[int, dict]:
-    """One bench row per concurrency: the model's own rows, or torch.compile's peer rows."""
-    rows = (report.get(state) or {}).get("rows") or []
-    return {r["concurrency"]: r for r in rows if is_compile_row(r) == compiled}
-
-
-def time_to_optimized(report: dict) -> tuple[float, float | None] | None:
+def time_to_optimized(run: RunRecord) -> tuple[float, float | None] | None:
     """Seconds from the loaded model to the optimized one serving (patch + gate + the after graphs' capture), and
     torch.compile's warm-up at the same concurrencies when it was measured: the wait a user trades for the speed."""
-    return optimization_wait(report.get("timings") or {}, list(_rows(report, "before", compiled=True).values()))
-
-
-def optimization_wait(timings: dict, compiled_rows: list[dict]) -> tuple[float, float | None] | None:
-    """``time_to_optimized`` from a fusion's timings and torch.compile's rows (``optiq bench --recipes`` has both)."""
-    if not all(k in timings for k in ("patch_s", "gate_s", "capture_s")):
+    if run.fusion is None or run.fusion.timings.capture_s is None:
         return None
-    compiled = [r.get("warmup_s") for r in compiled_rows]
+    timings = run.fusion.timings
+    compiled = [r.warmup_s for r in _rows(run, "before", compiled=True).values()]
     warmup = sum(compiled) if compiled and None not in compiled else None
-    return timings["patch_s"] + timings["gate_s"] + timings["capture_s"], warmup
+    return timings.patch_s + timings.gate_s + timings.capture_s, warmup
 
 
-def _ok(row: dict | None, key: str):
+def _ok(row: Row | None, key: str):
     """A row's number, "oom" for a point that ran out of memory, None when not measured."""
     if row is None:
         return None
-    return row.get(key) if row.get("status") == "ok" else row.get("status")
+    return getattr(row, key) if row.status == "ok" else row.status
 
 
-def _floor(concurrency: int, *row_maps: dict[int, dict]):
+def _floor(concurrency: int, *row_maps: dict[int, Row]):
     """The bandwidth floor in tok/s, from the first run that measured this concurrency (it is the same for all)."""
-    return next((rows[concurrency]["floor_tok_per_s"] for rows in row_maps
-                 if rows.get(concurrency, {}).get("status") == "ok"), None)
+    return next((rows[concurrency].floor_tok_per_s for rows in row_maps
+                 if concurrency in rows and rows[concurrency].status == "ok"), None)
 
 
-def _concurrencies(report: dict) -> list[int]:
+def _concurrencies(run: RunRecord) -> list[int]:
     measured = {c for state in ("before", "after") for compiled in (False, True)
-                for c in _rows(report, state, compiled)}
-    return sorted(set(report.get("concurrency") or []) | measured)
+                for c in _rows(run, state, compiled)}
+    return sorted(set(run.concurrency) | measured)
 
 
 def _ratio(num, den):
     return num / den if isinstance(num, (int, float)) and isinstance(den, (int, float)) and den else None
 
 
-def _op_classes(attribution: dict | None, concurrency: int) -> dict[str, float]:
-    table = (attribution or {}).get(str(concurrency), {}).get("table") or []
+def _op_classes(attribution: dict, concurrency: int) -> dict[str, float]:
+    table = attribution.get(str(concurrency), {}).get("table") or []
     return {row["label"]: row["gpu_ms_per_step"] for row in table}
 
 
-def _kernels(attribution: dict | None, concurrency: int):
-    return (attribution or {}).get(str(concurrency), {}).get("summary", {}).get("kernels_per_step")
+def _kernels(attribution: dict, concurrency: int):
+    return attribution.get(str(concurrency), {}).get("summary", {}).get("kernels_per_step")
+
+
+def _fusion(run: RunRecord) -> Fusion:
+    """The run's fusion, or an empty one for a run that measured without recipes."""
+    return run.fusion or Fusion([])
 
 
 # --- the numbers ---------------------------------------------------------------------------------------------------
 
-def headline(report: dict) -> list[dict]:
+def headline(run: RunRecord) -> list[dict]:
     """Per concurrency: before, after, torch.compile and floor tok/s (None: not measured, "oom": out of memory)."""
-    before, after, compiled = _rows(report, "before"), _rows(report, "after"), _rows(report, "before", compiled=True)
+    before, after, compiled = _rows(run, "before"), _rows(run, "after"), _rows(run, "before", compiled=True)
     result = []
-    for c in _concurrencies(report):
+    for c in _concurrencies(run):
         b, a, t = _ok(before.get(c), "tok_per_s"), _ok(after.get(c), "tok_per_s"), _ok(compiled.get(c), "tok_per_s")
         result.append({"concurrency": c, "before_tok_per_s": b, "after_tok_per_s": a, "speedup": _ratio(a, b),
                        "compile_tok_per_s": t, "after_vs_compile": _ratio(a, t),
@@ -160,34 +151,37 @@ def headline(report: dict) -> list[dict]:
     return result
 
 
-def savings(report: dict) -> dict:
+def savings(run: RunRecord) -> dict:
     """Predicted saving per applied recipe, and the applied set's measured saving, per concurrency.
 
     The recipes run together in one patched model, so only the set's saving is measured; per recipe there is only the
     profile's prediction (the time it covers, an upper bound).
     """
-    before, after = _rows(report, "before"), _rows(report, "after")
-    proposals = report.get("proposals") or {}
-    predicted = {recipe: {} for recipe in report.get("applied") or []}
+    before, after, fusion = _rows(run, "before"), _rows(run, "after"), _fusion(run)
+    predicted = {recipe: {} for recipe in fusion.applied}
     measured_ms, kernels_removed = {}, {}
-    for c in _concurrencies(report):
-        for p in proposals.get(str(c)) or []:
-            if p["recipe"] in predicted:
-                predicted[p["recipe"]][c] = p["covered_ms_per_step"]
+    for c in _concurrencies(run):
+        for p in fusion.proposals.get(str(c)) or []:
+            if p.recipe in predicted:
+                predicted[p.recipe][c] = p.covered_ms_per_step
         b, a = _ok(before.get(c), "ms_per_step"), _ok(after.get(c), "ms_per_step")
         measured_ms[c] = b - a if isinstance(b, (int, float)) and isinstance(a, (int, float)) else None
-        kb, ka = _kernels(report.get("attribution_before"), c), _kernels(report.get("attribution_after"), c)
+        kb, ka = _kernels(run.attribution_before, c), _kernels(run.attribution_after, c)
         kernels_removed[c] = kb - ka if kb is not None and ka is not None else None
     return {"predicted_ms_per_step": predicted, "measured_ms_per_step": measured_ms,
             "kernels_removed_per_step": kernels_removed}
 
 
-def _final_state(report: dict) -> str:
+def _final_state(run: RunRecord) -> str:
     """What a run ended with: the patched model when it was re-measured, else the model as it was."""
-    return "after" if _rows(report, "after") else "before"
+    return "after" if _rows(run, "after") else "before"
 
 
-def compare_runs(a: dict, b: dict) -> dict:
+def _attribution(run: RunRecord, state: str) -> dict:
+    return run.attribution_after if state == "after" else run.attribution_before
+
+
+def compare_runs(a: RunRecord, b: RunRecord) -> dict:
     """Run B against run A at every concurrency either measured: tok/s and GPU ms/step per op class."""
     state_a, state_b = _final_state(a), _final_state(b)
     rows_a, rows_b = _rows(a, state_a), _rows(b, state_b)
@@ -197,7 +191,7 @@ def compare_runs(a: dict, b: dict) -> dict:
         ta, tb = _ok(rows_a.get(c), "tok_per_s"), _ok(rows_b.get(c), "tok_per_s")
         throughput.append({"concurrency": c, "tok_per_s_a": ta, "tok_per_s_b": tb, "ratio": _ratio(tb, ta),
                            "floor_tok_per_s": _floor(c, rows_a, rows_b)})
-        ca, cb = _op_classes(a.get(f"attribution_{state_a}"), c), _op_classes(b.get(f"attribution_{state_b}"), c)
+        ca, cb = _op_classes(_attribution(a, state_a), c), _op_classes(_attribution(b, state_b), c)
         for label in sorted(ca.keys() | cb.keys(), key=lambda k: -max(ca.get(k, 0), cb.get(k, 0))):
             # A class missing from a profiled step took no time there; without a profile it is unknown.
             ms_a, ms_b = ca.get(label, 0.0) if ca else None, cb.get(label, 0.0) if cb else None
@@ -221,57 +215,57 @@ def _c_label(concurrency: int) -> str:
     return f"C={concurrency}"
 
 
-def headline_table(report: dict) -> Table:
+def headline_table(run: RunRecord) -> Table:
     rows = [[str(h["concurrency"]), _fmt(h["before_tok_per_s"]), _fmt(h["after_tok_per_s"]),
              _fmt(h["speedup"], ".2f", "×"), _fmt(h["compile_tok_per_s"]), _fmt(h["after_vs_compile"], ".2f", "×"),
-             _fmt(h["floor_tok_per_s"]), _fmt(h["after_pct_of_floor"])] for h in headline(report)]
+             _fmt(h["floor_tok_per_s"]), _fmt(h["after_pct_of_floor"])] for h in headline(run)]
     return Table("Decode throughput", ["C", "before tok/s", "after tok/s", "speed-up", "torch.compile tok/s",
                                        "after / compile", "floor tok/s", "after % of floor"], rows,
                  "speed-up = after / before; floor = the bytes a step must read over the copy bandwidth")
 
 
-def gate_table(report: dict) -> Table:
+def gate_table(run: RunRecord) -> Table:
     """One row per recipe the run considered, with the gate's numbers where it ran."""
-    gate = (report.get("gate") or {}).get("recipes") or {}
-    not_applicable = report.get("not_applicable") or {}
-    applied, rolled_back = report.get("applied") or [], report.get("rolled_back") or []
+    fusion = _fusion(run)
+    gate = fusion.gate.recipes
     rows = []
-    for recipe in dict.fromkeys([*applied, *rolled_back, *gate, *not_applicable]):
-        g = gate.get(recipe, {})
-        status = ("applied" if recipe in applied else "rolled back" if recipe in rolled_back
-                  else "not applicable" if recipe in not_applicable else "not applied")
-        reason = g.get("reason") or not_applicable.get(recipe, "")
-        rows.append([recipe, status, g.get("tolerance", ""), _fmt(g.get("calls"), "d"), _fmt(g.get("err_fused"), ".2e"),
-                     _fmt(g.get("err_unfused"), ".2e"), _fmt(g.get("bound"), ".2e"), _fmt(g.get("seconds"), ".1f"),
-                     reason])
+    for recipe in dict.fromkeys([*fusion.applied, *fusion.rolled_back, *gate, *fusion.not_applicable]):
+        status = ("applied" if recipe in fusion.applied else "rolled back" if recipe in fusion.rolled_back
+                  else "not applicable" if recipe in fusion.not_applicable else "not applied")
+        g = gate.get(recipe)
+        if g is None:
+            rows.append([recipe, status, "", *["—"] * 5, fusion.not_applicable.get(recipe, "")])
+            continue
+        rows.append([recipe, status, g.tolerance, _fmt(g.calls, "d"), _fmt(g.err_fused, ".2e"),
+                     _fmt(g.err_unfused, ".2e"), _fmt(g.bound, ".2e"), _fmt(g.seconds, ".1f"),
+                     g.reason or fusion.not_applicable.get(recipe, "")])
     return Table("Validation gate: per recipe", ["recipe", "status", "tolerance", "calls", "err fused",
                                                  "err unfused", "bound", "s", "reason"], rows,
                  "err = relative error against a float64 run of the unfused path, at the worst call")
 
 
-def end_to_end_table(report: dict) -> Table:
-    rows = [[str(e["concurrency"]), str(e["steps"]), "passed" if e["passed"] else "failed", _fmt(e["rel_err"], ".2e"),
-             _fmt(e["rel_err_unpatched"], ".2e"), _fmt(e["bound"], ".2e"), _fmt(e["top1"], ".3f"),
-             _fmt(e["top1_unpatched"], ".3f"), _fmt(e["min_top1"], ".3f"), _fmt(e.get("seconds"), ".1f"),
-             ", ".join(e["recipes"])]
-            for e in (report.get("gate") or {}).get("end_to_end") or []]
+def end_to_end_table(run: RunRecord) -> Table:
+    rows = [[str(e.concurrency), str(e.steps), "passed" if e.passed else "failed", _fmt(e.rel_err, ".2e"),
+             _fmt(e.rel_err_unpatched, ".2e"), _fmt(e.bound, ".2e"), _fmt(e.top1, ".3f"),
+             _fmt(e.top1_unpatched, ".3f"), _fmt(e.min_top1, ".3f"), _fmt(e.seconds, ".1f"), ", ".join(e.recipes)]
+            for e in _fusion(run).gate.end_to_end]
     return Table("Validation gate: end to end", ["C", "steps", "result", "logits rel err", "unpatched rel err",
                                                  "bound", "top-1", "unpatched top-1", "min top-1", "s", "recipes"], rows,
                  "teacher-forced greedy decode against a higher-precision reference")
 
 
-def proposals_table(report: dict) -> Table:
-    proposals = report.get("proposals") or {}
-    rows = [[c, str(rank), p["recipe"], _fmt(p["covered_ms_per_step"], ".3f"), _fmt(p["covered_pct"]),
-             _fmt(p["kernels_per_step"], ".0f"), p.get("where", "")]
+def proposals_table(run: RunRecord) -> Table:
+    proposals = _fusion(run).proposals
+    rows = [[c, str(rank), p.recipe, _fmt(p.covered_ms_per_step, ".3f"), _fmt(p.covered_pct),
+             _fmt(p.kernels_per_step, ".0f"), p.where]
             for c in sorted(proposals, key=int) for rank, p in enumerate(proposals[c], 1)]
     return Table("Proposals of the profile", ["C", "#", "recipe", "up to ms/step", "% of step", "kernels/step",
                                               "replaces"], rows,
                  "a proposal's saving is the time the recipe covers: an upper bound")
 
 
-def savings_table(report: dict) -> Table:
-    s, concurrencies = savings(report), _concurrencies(report)
+def savings_table(run: RunRecord) -> Table:
+    s, concurrencies = savings(run), _concurrencies(run)
     predicted = s["predicted_ms_per_step"]
     rows = [[f"predicted: {recipe} (ms/step)", *[_fmt(covered.get(c), ".3f") for c in concurrencies]]
             for recipe, covered in predicted.items()]
@@ -288,12 +282,12 @@ def savings_table(report: dict) -> Table:
                        "the measured rows are the whole set's")
 
 
-def _series(rows: dict[int, dict], key: str) -> dict[int, float]:
-    return {c: r[key] for c, r in rows.items() if r.get("status") == "ok" and r.get(key) is not None}
+def _series(rows: dict[int, Row], key: str) -> dict[int, float]:
+    return {c: getattr(r, key) for c, r in rows.items() if r.status == "ok" and getattr(r, key) is not None}
 
 
-def _throughput_plots(runs: list[tuple[str, dict[int, dict], str]], floor_name: str,
-                      reference: dict[int, dict]) -> list[Lines]:
+def _throughput_plots(runs: list[tuple[str, dict[int, Row], str]], floor_name: str,
+                      reference: dict[int, Row]) -> list[Lines]:
     """tok/s and ms/step against concurrency for each run, with the bandwidth floor of ``reference`` as a line."""
     return [Lines(title, y_title, [(name, _series(rows, key), dash) for name, rows, dash in runs]
                   + [(floor_name, _series(reference, floor), "dot")])
@@ -305,66 +299,63 @@ def _throughput_plots(runs: list[tuple[str, dict[int, dict], str]], floor_name: 
 def _stack(states: list[tuple[str, dict]], concurrencies: list[int]) -> Stack:
     """Op-class bars per concurrency and state, titled by what was timed (GPU time, or CPU self time without a GPU)."""
     units = {entry.get("summary", {}).get("time_unit") for _, attribution in states
-             for entry in (attribution or {}).values()} - {None}
+             for entry in attribution.values()} - {None}
     unit = units.pop() if len(units) == 1 else "GPU time"
     return Stack(f"{unit} per decode step by op class",
                  [(_c_label(c), label, _op_classes(attribution, c))
                   for c in concurrencies for label, attribution in states if _op_classes(attribution, c)])
 
 
-def _describe(report: dict) -> str:
-    return (f"{report.get('model', '?')} · {report.get('dtype', '?')} · {report.get('mode', '?')} · "
-            f"{(report.get('environment') or {}).get('device', '?')}")
+def _describe(run: RunRecord) -> str:
+    return f"{run.model} · {run.dtype} · {run.mode} · {run.environment.device}"
 
 
 STATUS_NOTE = {"complete": "complete",
                "incomplete": "incomplete: interrupted, the numbers are those measured before the interruption",
-               "rejected": "rejected: the validation gate rejected every recipe; the model was not re-measured"}
+               "rejected": "rejected: the validation gate rejected every recipe; the model was not re-measured",
+               "failed": "failed: the numbers are those measured before the error"}
 
 
-def _compiled_ahead(child: dict) -> str:
+def _compiled_ahead(child: CompiledAhead) -> str:
     """One worker of compile_ahead: its engine, how it ended, when it was ready and how long it compiled."""
-    batch, cache, _ = child["engine"]
-    times = [f"{label} {child[key]:.1f} s" for key, label in (("ready_s", "ready after"), ("sent_s", "names after"))
-             if child.get(key) is not None]
-    if child.get("seconds") is not None:
-        times.append(f"compiled {child['seconds']:.1f} s after the names")
-    return f"C={batch} cache {cache} {child['status']}" + (f" ({', '.join(times)})" if times else "")
+    batch, cache, _ = child.engine
+    times = [f"{label} {value:.1f} s" for value, label in ((child.ready_s, "ready after"),
+                                                            (child.sent_s, "names after")) if value is not None]
+    if child.seconds is not None:
+        times.append(f"compiled {child.seconds:.1f} s after the names")
+    return f"C={batch} cache {cache} {child.status}" + (f" ({', '.join(times)})" if times else "")
 
 
-def report_document(report: dict) -> Document:
-    env, work = report.get("environment") or {}, report.get("workload") or {}
-    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "cuda", "python", "optiq") if env.get(k))
-    timings = report.get("timings") or {}
-    status = report.get("status", "?")
-    facts = [("status", STATUS_NOTE.get(status, status)), ("device", env.get("device", "?")), ("versions", versions),
-             ("workload", f"prompt {work.get('prompt_len', '?')} tokens, {work.get('new_tokens', '?')} new tokens, "
-                          f"KV cache {work.get('max_len', '?')}, median of {work.get('repeats', '?')} repeats"),
-             ("recipes requested", ", ".join(report.get("recipes_requested") or []) or "—"),
-             ("applied", ", ".join(report.get("applied") or []) or "none"),
-             ("rolled back", ", ".join(report.get("rolled_back") or []) or "none")]
-    if timings:
+def report_document(run: RunRecord) -> Document:
+    env, work, fusion = run.environment, run.workload, _fusion(run)
+    versions = ", ".join(f"{k} {getattr(env, k)}" for k in ("torch", "transformers", "cuda", "python", "optiq")
+                         if getattr(env, k))
+    facts = [("status", STATUS_NOTE.get(run.status, run.status)), ("device", env.device), ("versions", versions),
+             ("workload", f"prompt {work.prompt_len} tokens, {work.new_tokens} new tokens, KV cache {work.max_len}, "
+                          f"median of {work.repeats} repeats"),
+             ("recipes requested", ", ".join(fusion.requested) or "—"),
+             ("applied", ", ".join(fusion.applied) or "none"),
+             ("rolled back", ", ".join(fusion.rolled_back) or "none")]
+    if run.fusion is not None:
         facts.append(("timings", ", ".join(f"{k.removesuffix('_s')} {_fmt(v, '.1f', ' s')}"
-                                           for k, v in timings.items())))
-    if report.get("compile_ahead"):
-        facts.append(("kernels compiled ahead", "; ".join(map(_compiled_ahead, report["compile_ahead"]))))
-    if (waits := time_to_optimized(report)) is not None:
+                                           for k, v in asdict(fusion.timings).items())))
+    if fusion.compile_ahead:
+        facts.append(("kernels compiled ahead", "; ".join(map(_compiled_ahead, fusion.compile_ahead))))
+    if (waits := time_to_optimized(run)) is not None:
         optimized, warmup = waits
         facts.append(("time to optimized", f"{optimized:.1f} s (patch + gate + capture)" + (
             f"; torch.compile's warm-up {warmup:.1f} s, {optimized / warmup:.2f}x of it" if warmup else "")))
-    mode = report.get("mode", "")
-    before, after = _rows(report, "before"), _rows(report, "after")
-    runs = [(f"before ({mode})", before, "solid"), (f"after ({mode})", after, "solid"),
-            ("torch.compile", _rows(report, "before", compiled=True), "dash")]
-    stack = _stack([("before", report.get("attribution_before")), ("after", report.get("attribution_after"))],
-                   _concurrencies(report))
-    return Document(f"optiq apply-fusion: {_describe(report)}", facts,
-                    [headline_table(report), gate_table(report), end_to_end_table(report), savings_table(report),
-                     proposals_table(report)],
+    before, after = _rows(run, "before"), _rows(run, "after")
+    runs = [(f"before ({run.mode})", before, "solid"), (f"after ({run.mode})", after, "solid"),
+            ("torch.compile", _rows(run, "before", compiled=True), "dash")]
+    stack = _stack([("before", run.attribution_before), ("after", run.attribution_after)], _concurrencies(run))
+    return Document(f"optiq {run.command}: {_describe(run)}", facts,
+                    [headline_table(run), gate_table(run), end_to_end_table(run), savings_table(run),
+                     proposals_table(run)],
                     [*_throughput_plots(runs, "bandwidth floor", before or after), stack])
 
 
-def compare_document(a: dict, b: dict, name_a: str, name_b: str) -> Document:
+def compare_document(a: RunRecord, b: RunRecord, name_a: str, name_b: str) -> Document:
     cmp = compare_runs(a, b)
     throughput = Table("Decode throughput", ["C", "A tok/s", "B tok/s", "B / A"],
                        [[str(t["concurrency"]), _fmt(t["tok_per_s_a"]), _fmt(t["tok_per_s_b"]),
@@ -374,13 +365,13 @@ def compare_document(a: dict, b: dict, name_a: str, name_b: str) -> Document:
                          _fmt(o["gpu_ms_per_step_b"], ".3f"),
                          _fmt(o["delta_ms"], "+.3f")]
                         for o in cmp["op_classes"]], "from each run's profile of the state compared")
-    facts = [(f"{side} ({name})", f"{_describe(run)} · {run.get('status', '?')} · applied: "
-                                  f"{', '.join(run.get('applied') or []) or 'none'} · compared "
+    facts = [(f"{side} ({name})", f"{_describe(run)} · {run.status} · applied: "
+                                  f"{', '.join(_fusion(run).applied) or 'none'} · compared "
                                   f"{cmp[f'state_{side.lower()}']} patching")
              for side, name, run in (("A", name_a, a), ("B", name_b, b))]
     rows_a, rows_b = _rows(a, cmp["state_a"]), _rows(b, cmp["state_b"])
     concurrencies = [t["concurrency"] for t in cmp["throughput"]]
-    stack = _stack([("A", a.get(f"attribution_{cmp['state_a']}")), ("B", b.get(f"attribution_{cmp['state_b']}"))],
+    stack = _stack([("A", _attribution(a, cmp["state_a"])), ("B", _attribution(b, cmp["state_b"]))],
                    concurrencies)
     return Document(f"optiq: {name_b} (B) against {name_a} (A)", facts, [throughput, op_classes],
                     [*_throughput_plots([(f"A: {name_a}", rows_a, "solid"), (f"B: {name_b}", rows_b, "solid")],
@@ -488,6 +479,6 @@ def write_document(directory: Path | str, stem: str, doc: Document) -> Written:
     return Written([directory / f"{stem}.md", directory / f"{stem}.html"], None)
 
 
-def write_report(run_dir: Path | str, report: dict | None = None) -> Written:
-    """Render ``report.md`` and ``report.html`` next to the run's report.json (read from disk when not given)."""
-    return write_document(run_dir, "report", report_document(report if report is not None else load_report(run_dir)))
+def write_report(run_dir: Path | str, run: RunRecord | None = None) -> Written:
+    """Render ``report.md`` and ``report.html`` next to the run's record (read from disk when not given)."""
+    return write_document(run_dir, "report", report_document(run if run is not None else load_report(run_dir)))

@@ -15,9 +15,9 @@ import traceback
 import torch
 import triton
 
-import fusions
-from optiq.roofline import copy_bandwidth
-from optiq.validation import sorted_by_id
+import optiq.fusions
+from optiq.measure.roofline import copy_bandwidth
+from optiq.gate import sorted_by_id
 
 ROWS = (1, 16, 64)
 
@@ -66,14 +66,14 @@ def _measure(name: str, rows: int, case, bandwidth: float) -> dict:
 
 
 def main(out_path: str, *names: str) -> None:
-    names = names or sorted(m.name for m in pkgutil.iter_modules(fusions.__path__))
+    names = names or sorted(m.name for m in pkgutil.iter_modules(optiq.fusions.__path__))
     bandwidth = copy_bandwidth(torch.device("cuda"))
     results = []
     print(f"copy roof {bandwidth / 1e9:,.0f} GB/s")
     print(f"{'fusion':28} {'rows':>4} {'fused us':>9} {'eager us':>9} {'compile us':>10} {'x eager':>8} "
           f"{'x compile':>9} {'% roof':>7} {'rel err':>9}")
     for name in names:
-        module = importlib.import_module(f"fusions.{name}")
+        module = importlib.import_module(f"optiq.fusions.{name}")
         if not hasattr(module, "benchmark_case"):
             continue
         for rows in ROWS:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from optiq.models import load_model
-from optiq.profiling import capture
+from optiq.profiling.capture import capture
 
 
 def main(outdir: str, model_spec: str, concurrencies: str, modes: str = "eager,graph") -> None:

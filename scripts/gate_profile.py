@@ -9,31 +9,32 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import optiq.validation as validation
+import optiq.gate.end_to_end as gate_end_to_end
+from optiq.catalog.recipes import load_catalog
+from optiq.gate import GatePlan, validate
 from optiq.models import load_model
 from optiq.patching import apply
-from optiq.recipes import load_catalog
 
 
 def main(model_spec: str, recipes: str, out_path: str) -> None:
     model = load_model(model_spec, torch.bfloat16, torch.device("cuda"))
     catalog = load_catalog()
     patches = apply(model, [catalog[name] for name in recipes.split(",")])
-    plain_decode, walls = validation._decode, []
+    plain_decode, walls = gate_end_to_end.decode, []
 
-    def decode(model, prompt, steps, forced, changes, engine_recipes, mode="eager", dtype=None, against=None):
-        kind = "reference" if dtype is not None else "patched" if changes or engine_recipes else "unpatched"
+    def decode(model, prompt, steps, forced, changes, mode="eager", dtype=None, against=None):
+        kind = "reference" if dtype is not None else "patched" if changes else "unpatched"
         name = f"gate/{kind} C={prompt.shape[0]}"
         started = time.perf_counter()
         with record_function(name):
-            result = plain_decode(model, prompt, steps, forced, changes, engine_recipes, mode, dtype, against)
+            result = plain_decode(model, prompt, steps, forced, changes, mode, dtype, against)
             torch.cuda.synchronize()
         walls.append((name, time.perf_counter() - started))
         return result
 
-    validation._decode = decode
+    gate_end_to_end.decode = decode
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        report = validation.validate(patches, concurrencies=(1, 16, 64), steps=64, prompt_len=512, mode="graph")
+        report = validate(patches, GatePlan((1, 16, 64), steps=64, prompt_len=512, mode="graph"))
     events = prof.key_averages()
     gpu = {e.key: e.device_time_total / 1e6 for e in events if e.key.startswith("gate/")}
     lines = [f"passed {report.passed}; capture {report.capture_seconds:.2f} s, baselines "

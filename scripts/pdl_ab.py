@@ -5,33 +5,34 @@ gate (`optiq apply-fusion` gates the same set). Usage: python scripts/pdl_ab.py 
 import json
 import os
 import sys
+from dataclasses import asdict
 
 import torch
 
-from optiq.bench import Workload, free_memory, measure_point
+from optiq.catalog.recipes import load_catalog
+from optiq.measure.roofline import copy_bandwidth
+from optiq.measure.sweep import free_memory, measure_point
 from optiq.models import load_model
 from optiq.patching import apply
-from optiq.recipes import load_catalog
-from optiq.roofline import copy_bandwidth
+from optiq.record import Workload
 
 
 def main(model_spec: str, recipes: str, out_path: str, concurrencies: str = "1,16,64") -> None:
     device = torch.device("cuda")
     model = load_model(model_spec, torch.bfloat16, device)
     catalog = load_catalog()
-    patches = apply(model, [catalog[name] for name in recipes.split(",")])
+    apply(model, [catalog[name] for name in recipes.split(",")])
     bandwidth = copy_bandwidth(device)
     rows = []
     for batch in (int(c) for c in concurrencies.split(",")):
         for pdl in ("0", "1", "0", "1"):
             os.environ["OPTIQ_PDL"] = pdl
-            row = measure_point(model, batch, Workload(), "graph", bandwidth, variant=f"pdl={pdl}",
-                                engine_patches=patches)
+            row = measure_point(model, batch, Workload(), "graph", bandwidth, variant=f"pdl={pdl}")
             rows.append(row)
             free_memory()
-            print(f"{model_spec} C={batch} PDL={pdl}: {row['tok_per_s']:.1f} tok/s, {row['ms_per_step']:.4f} ms/step",
+            print(f"{model_spec} C={batch} PDL={pdl}: {row.tok_per_s:.1f} tok/s, {row.ms_per_step:.4f} ms/step",
                   flush=True)
-            json.dump(rows, open(out_path, "w"), indent=1)
+            json.dump([asdict(r) for r in rows], open(out_path, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ import sys
 import torch
 import triton
 
-from optiq.roofline import copy_bandwidth
+from optiq.measure.roofline import copy_bandwidth
 
 
 def main(name: str, out_path: str) -> None:
-    module = importlib.import_module(f"fusions.{name}")
+    module = importlib.import_module(f"optiq.fusions.{name}")
     heuristic = module.tile_config
     bandwidth = copy_bandwidth(torch.device("cuda"))  # measured here, as bench_fusions.py does
     results = []

@@ -7,6 +7,7 @@ from pathlib import Path
 from click.testing import CliRunner
 from wrong_kernels import user_recipe
 
+from optiq import record
 from optiq.cli import cli
 from optiq.errors import EXIT_GATE_REJECTED_ALL
 
@@ -21,15 +22,17 @@ def test_auto_recipes_pass_the_gate_and_the_report_is_written(tmp_path):
     doc = json.loads(result.stdout)
     run_dir = Path(doc.pop("run_dir"))
     assert json.loads((run_dir / "report.json").read_text()) == doc
-    assert doc["status"] == "complete" and doc["rolled_back"] == []
-    assert "decode_attention" in doc["applied"]  # the largest proposal on the tiny model too
-    assert all(r["passed"] for r in doc["gate"]["recipes"].values())
-    assert [e["concurrency"] for e in doc["gate"]["end_to_end"]] == [1, 2]
-    assert all(e["passed"] and e["top1"] == 1.0 for e in doc["gate"]["end_to_end"])  # fp32: identical greedy picks
+    assert record.from_json(doc).command == "apply-fusion"
+    fusion = doc["fusion"]
+    assert doc["status"] == "complete" and fusion["rolled_back"] == []
+    assert "decode_attention" in fusion["applied"]  # the largest proposal on the tiny model too
+    assert all(r["passed"] for r in fusion["gate"]["recipes"].values())
+    assert [e["concurrency"] for e in fusion["gate"]["end_to_end"]] == [1, 2]
+    assert all(e["passed"] and e["top1"] == 1.0 for e in fusion["gate"]["end_to_end"])  # fp32: identical greedy picks
     for key in ("before", "after"):
-        assert [(r["concurrency"], r["status"]) for r in doc[key]["rows"]] == [(1, "ok"), (2, "ok")]
+        assert [(r["concurrency"], r["status"]) for r in doc[key]] == [(1, "ok"), (2, "ok")]
     assert set(doc["attribution_before"]) == set(doc["attribution_after"]) == {"1", "2"}
-    assert doc["proposals"]["1"][0]["recipe"] in doc["applied"]
+    assert fusion["proposals"]["1"][0]["recipe"] in fusion["applied"]
     assert json.loads((run_dir / "run.json").read_text())["status"] == "complete"
     markdown = (run_dir / "report.md").read_text()
     assert "decode_attention" in markdown and (run_dir / "report.html").stat().st_size > 1_000_000  # plotly inlined
@@ -41,10 +44,11 @@ def test_a_set_the_gate_rejects_exits_3_and_keeps_the_numbers(tmp_path):
                                       str(tmp_path / "mine"), *SMALL, "--runs-dir", str(tmp_path / "runs")])
     assert result.exit_code == EXIT_GATE_REJECTED_ALL, result.stderr
     doc = json.loads(result.stdout)
-    assert doc["status"] == "rejected" and doc["applied"] == [] and doc["rolled_back"] == ["eps_less_norm"]
-    gate = doc["gate"]["recipes"]["eps_less_norm"]
+    fusion = doc["fusion"]
+    assert doc["status"] == "rejected" and fusion["applied"] == [] and fusion["rolled_back"] == ["eps_less_norm"]
+    gate = fusion["gate"]["recipes"]["eps_less_norm"]
     assert not gate["passed"] and gate["err_fused"] > gate["bound"]
-    assert doc["after"]["rows"] == []
+    assert doc["after"] == []
 
 
 def test_auto_chooses_again_without_a_recipe_the_gate_rolled_back(tmp_path):
@@ -54,11 +58,11 @@ def test_auto_chooses_again_without_a_recipe_the_gate_rolled_back(tmp_path):
     result = CliRunner().invoke(cli, ["apply-fusion", "--recipes-dir", str(tmp_path / "mine"), *SMALL, "--runs-dir",
                                       str(tmp_path / "runs")])
     assert result.exit_code == 0, result.stderr
-    doc = json.loads(result.stdout)
-    assert doc["status"] == "complete" and doc["rolled_back"] == ["gate_up_swiglu"]
-    assert "swiglu" in doc["applied"] and "gate_up_swiglu" not in doc["applied"]
-    assert doc["gate"]["recipes"]["swiglu"]["passed"] and not doc["gate"]["recipes"]["gate_up_swiglu"]["passed"]
-    assert all(e["passed"] for e in doc["gate"]["end_to_end"])
+    fusion = json.loads(result.stdout)["fusion"]
+    assert fusion["rolled_back"] == ["gate_up_swiglu"]
+    assert "swiglu" in fusion["applied"] and "gate_up_swiglu" not in fusion["applied"]
+    assert fusion["gate"]["recipes"]["swiglu"]["passed"] and not fusion["gate"]["recipes"]["gate_up_swiglu"]["passed"]
+    assert all(e["passed"] for e in fusion["gate"]["end_to_end"])
 
 
 def test_unknown_recipe_is_a_one_line_error(tmp_path):

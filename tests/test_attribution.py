@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from optiq.attribution import _busy, align_graph_with_eager, attribute
-from optiq.trace_reader import read_trace
+from optiq.traces.attribution import _busy, align_graph_with_eager, attribute
+from optiq.traces.reader import read_trace
 
 DATA = Path(__file__).parent / "data"
 

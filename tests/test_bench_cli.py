@@ -8,10 +8,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from optiq.bench import Workload, sweep
+from optiq import engine as decode_engine
+from optiq import record
 from optiq.cli import cli
 from optiq.errors import EXIT_GATE_REJECTED_ALL
+from optiq.measure.sweep import sweep
 from optiq.models import load_model
+from optiq.record import Workload
+from optiq.report import time_to_optimized
 
 FAST = ["--model", "tiny-llama", "--prompt-len", "8", "--new-tokens", "4", "--max-len", "32", "--repeats", "2"]
 
@@ -20,17 +24,22 @@ def run_cli(*args):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
+def rows(doc: dict) -> list[dict]:
+    """Every measured point of a bench run record, in the order measured."""
+    return doc["before"] + doc["after"]
+
+
 def test_bench_json_has_positive_throughput_per_concurrency(tmp_path):
     result = run_cli("bench", *FAST, "--concurrency", "1,2", "--json", "--runs-dir", str(tmp_path))
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
-    assert [row["concurrency"] for row in doc["rows"]] == [1, 2]
-    for row in doc["rows"]:
+    assert [row["concurrency"] for row in rows(doc)] == [1, 2]
+    for row in rows(doc):
         assert row["status"] == "ok" and row["tok_per_s"] > 0 and 0 < row["floor_ms_per_step"] < row["ms_per_step"]
         assert row["tok_per_s"] == pytest.approx(row["concurrency"] * 1e3 / row["ms_per_step"])
     run_dir = tmp_path / doc["run_dir"].rsplit("/", 1)[-1]
     saved = json.loads((run_dir / "results.json").read_text())
-    assert saved["rows"] == doc["rows"]
+    assert saved == {k: v for k, v in doc.items() if k != "run_dir"} and record.from_json(saved).command == "bench"
     assert json.loads((run_dir / "run.json").read_text())["status"] == "complete"
     assert (run_dir / "results.csv").read_text().count("\n") == 3
 
@@ -47,9 +56,9 @@ def test_out_of_memory_concurrency_is_recorded_and_the_sweep_goes_on(tmp_path):
     # A billion sequences' KV cache (terabytes) cannot be allocated; the points either side still run.
     result = run_cli("bench", *FAST, "--concurrency", "1,1000000000,2", "--json", "--runs-dir", str(tmp_path))
     assert result.exit_code == 0, result.stderr
-    rows = json.loads(result.stdout)["rows"]
-    assert [r["status"] for r in rows] == ["ok", "oom", "ok"]
-    assert rows[1]["concurrency"] == 1_000_000_000 and rows[1]["error"]
+    points = rows(json.loads(result.stdout))
+    assert [r["status"] for r in points] == ["ok", "oom", "ok"]
+    assert points[1]["concurrency"] == 1_000_000_000 and points[1]["error"]
 
 
 def test_table_output(tmp_path):
@@ -85,7 +94,7 @@ def test_python_dash_m_entry_point(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "optiq", "bench", *FAST, "--concurrency", "1", "--json",
                            "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["rows"][0]["tok_per_s"] > 0
+    assert json.loads(proc.stdout)["before"][0]["tok_per_s"] > 0
 
 
 def test_a_failing_peer_is_recorded_and_the_sweep_goes_on():
@@ -95,10 +104,10 @@ def test_a_failing_peer_is_recorded_and_the_sweep_goes_on():
         raise RuntimeError("inductor gave up")
 
     variants = [("eager", "eager", None), ("compile+eager", "eager", broken_peer)]
-    rows = sweep(model, [1, 2], Workload(8, 2, 32, 1), variants, bandwidth=1e11)
-    assert [(r["variant"], r["status"]) for r in rows] == [
+    points = sweep(model, [1, 2], Workload(8, 2, 32, 1), variants, bandwidth=1e11)
+    assert [(r.variant, r.status) for r in points] == [
         ("eager", "ok"), ("eager", "ok"), ("compile+eager", "failed"), ("compile+eager", "failed")]
-    assert rows[2]["error"] == "RuntimeError: inductor gave up"
+    assert points[2].error == "RuntimeError: inductor gave up"
 
 
 def test_recipes_add_the_gated_optiq_variant_beside_the_baseline(tmp_path):
@@ -107,18 +116,19 @@ def test_recipes_add_the_gated_optiq_variant_beside_the_baseline(tmp_path):
                      "--json", "--runs-dir", str(tmp_path))
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
-    assert [(r["variant"], r["concurrency"], r["status"]) for r in doc["rows"]] == [
+    assert [(r["variant"], r["concurrency"], r["status"]) for r in rows(doc)] == [
         ("eager", 1, "ok"), ("eager", 2, "ok"), ("optiq+eager", 1, "ok"), ("optiq+eager", 2, "ok")]
     fusion = doc["fusion"]
     assert fusion["applied"] == ["rmsnorm", "greedy_sample"] and fusion["rolled_back"] == []
+    # The run unpatched its model: the engine's sampler (a function patch, global to the process) is torch's again.
+    assert decode_engine.sample_greedy.__module__ == "optiq.engine"
     assert all(r["passed"] for r in fusion["gate"]["recipes"].values())
     assert [e["concurrency"] for e in fusion["gate"]["end_to_end"]] == [1, 2]
     timings = fusion["timings"]
-    assert doc["time_to_optimized"] == {"optimized_s": pytest.approx(timings["patch_s"] + timings["gate_s"] +
-                                                                     timings["capture_s"]),
-                                        "compile_warmup_s": None, "ratio": None}
     saved = json.loads((tmp_path / doc["run_dir"].rsplit("/", 1)[-1] / "results.json").read_text())
-    assert saved == doc
+    assert saved == {k: v for k, v in doc.items() if k != "run_dir"}
+    assert timings["capture_s"] > 0 and time_to_optimized(record.from_json(saved)) == (
+        pytest.approx(timings["patch_s"] + timings["gate_s"] + timings["capture_s"]), None)
 
 
 def test_a_recipe_the_gate_rejects_is_not_measured_and_exits_3(tmp_path):
@@ -131,7 +141,7 @@ def test_a_recipe_the_gate_rejects_is_not_measured_and_exits_3(tmp_path):
     assert "rolled back eps_less_norm" in result.stdout and "optiq+" not in result.stdout
     (run_dir,) = (tmp_path / "runs").iterdir()
     doc = json.loads((run_dir / "results.json").read_text())
-    assert [r["variant"] for r in doc["rows"]] == ["eager"] and doc["fusion"]["rolled_back"] == ["eps_less_norm"]
+    assert [r["variant"] for r in rows(doc)] == ["eager"] and doc["fusion"]["rolled_back"] == ["eps_less_norm"]
     assert json.loads((run_dir / "run.json").read_text())["status"] == "rejected"
 
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from optiq import compile_ahead
+from optiq.gate import GatePlan
 from optiq.models import load_config
 
-GATE = {"concurrencies": (1, 16, 64), "steps": 64, "prompt_len": 512, "mode": "graph"}
+GATE = GatePlan((1, 16, 64), steps=64, prompt_len=512, mode="graph")
 
 
 @pytest.mark.parametrize("preset, layers", [("qwen3-0.6b", 1), ("llama-3.1-8b", 1), ("qwen3-30b-a3b", 1),
@@ -32,15 +33,16 @@ def test_each_engine_the_fused_model_meets_gets_a_worker_in_the_order_it_meets_t
 
 
 def test_no_workers_off_cuda_or_when_turned_off(monkeypatch):
-    with compile_ahead.workers(torch.device("cpu"), "tiny-llama", "fp32", (), 16, 40, GATE) as ahead:
+    source = compile_ahead.Source("tiny-llama", "fp32", (), 16, 40)
+    with compile_ahead.workers(torch.device("cpu"), source, GATE) as ahead:
         assert ahead is None
     monkeypatch.setenv("OPTIQ_COMPILE_AHEAD", "0")
-    with compile_ahead.workers(torch.device("cuda"), "tiny-llama", "fp32", (), 16, 40, GATE) as ahead:
+    with compile_ahead.workers(torch.device("cuda"), source, GATE) as ahead:
         assert ahead is None
 
 
 DTYPE = "bf16" if torch.cuda.is_available() else "fp32"
-SMALL_GATE = {"concurrencies": (2,), "steps": 4, "prompt_len": 8, "mode": "eager"}  # three engines, three workers
+SMALL_GATE = GatePlan((2,), steps=4, prompt_len=8)  # three engines, three workers
 
 
 def _workers():
@@ -62,8 +64,8 @@ def waited_for(monkeypatch):
 def test_workers_run_the_patched_one_layer_model_or_say_why_they_failed(waited_for):
     workers = _workers()
     done = _compile(workers, ["rmsnorm", "decode_attention"])
-    assert [c.status for c in done] == ["done"] * 3 and [c.engine for c in done] == [(2, 10, 8), (2, 13, 8),
-                                                                                      (2, 24, 8)]
+    assert [c.status for c in done] == ["done"] * 3 and [c.engine for c in done] == [[2, 10, 8], [2, 13, 8],
+                                                                                      [2, 24, 8]]
     assert all(c.ready_s > 0 and c.seconds > 0 for c in done)
     failed = _compile(workers, ["no_such_recipe"])  # a second round: new workers
     assert all(c.status.startswith("failed: KeyError") and "no_such_recipe" in c.status for c in failed)

@@ -28,7 +28,7 @@ def test_an_interrupt_mid_sweep_keeps_finished_points(tmp_path, stop):
     results = None
     while time.monotonic() < deadline:  # wait until at least two points are on disk
         found = list(runs.glob("bench-*/results.json"))
-        if found and len(json.loads(found[0].read_text())["rows"]) >= 2:
+        if found and len(json.loads(found[0].read_text())["before"]) >= 2:
             results = found[0]
             break
         time.sleep(0.05)
@@ -38,7 +38,7 @@ def test_an_interrupt_mid_sweep_keeps_finished_points(tmp_path, stop):
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr and "Traceback" not in stderr
     meta = json.loads((results.parent / "run.json").read_text())
-    rows = json.loads(results.read_text())["rows"]
+    rows = json.loads(results.read_text())["before"]
     assert meta["status"] == "incomplete" and meta["points_done"] == len(rows)
     assert 2 <= len(rows) < 40 and all(r["status"] == "ok" and r["tok_per_s"] > 0 for r in rows)
     assert [p.name for p in results.parent.iterdir() if p.name.startswith(".")] == []  # no half-written temp files

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from optiq.op_classes import CLASSES, class_of_kernel, class_of_op, inductor_ops, short_kernel_name
+from optiq.traces.op_classes import CLASSES, class_of_kernel, class_of_op, inductor_ops, short_kernel_name
 
 DATA = Path(__file__).parent / "data"
 
@@ -102,8 +102,8 @@ def test_short_kernel_names(name, short):
 def test_moe_classes_are_named_apart_in_the_h200_moe_traces():
     """qwen3-30b-a3b at C=64: the experts' grouped GEMM, the router's top-k and the token packing are three classes,
     and the graph replay's kernel names alone give the eager trace's linked shares."""
-    from optiq.attribution import attribute
-    from optiq.trace_reader import read_trace
+    from optiq.traces.attribution import attribute
+    from optiq.traces.reader import read_trace
 
     traces = Path(__file__).parent.parent / "traces"
     shares = [attribute([read_trace(traces / f"qwen3-30b-a3b_{mode}_C64.json.gz")], "class").table

@@ -7,16 +7,17 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from optiq.engine import DecodeEngine, opened
+from optiq import engine as decode_engine
+from optiq.engine import opened
 from optiq.errors import OptiqError
 from optiq.patching import apply, patches_of, unpatch
-from optiq.recipes import load_catalog
+from optiq.catalog.recipes import load_catalog
 from wrong_kernels import user_recipe
 
 
-def decode(model, steps=3, batch=2, patches=None):
+def decode(model, steps=3, batch=2):
     """Logits of ``steps`` greedy decode steps after a short seeded prompt."""
-    with opened(model, batch, 16, engine_patches=patches) as engine:
+    with opened(model, batch, 16) as engine:
         engine.prefill(torch.randint(0, 256, (batch, 5), generator=torch.Generator().manual_seed(0)))
         return torch.stack([engine.step().clone() for _ in range(steps)])
 
@@ -49,7 +50,7 @@ def test_builtin_recipes_keep_logits_and_undo_restores_everything(tiny_model, ri
     assert tiny_model.config._attn_implementation == "optiq_decode"
     params = {name: p.data_ptr() for name, p in tiny_model.named_parameters()}
 
-    patched = decode(tiny_model, patches=patches)
+    patched = decode(tiny_model)
     torch.testing.assert_close(patched, reference, rtol=1e-5, atol=1e-5)
     assert {name: p.data_ptr() for name, p in tiny_model.named_parameters()} == params
 
@@ -65,8 +66,8 @@ def test_builtin_recipes_keep_logits_and_undo_restores_everything(tiny_model, ri
 def test_the_residual_add_after_the_mlp_goes_into_down_projs_kernel(monkeypatch, with_decode_linear):
     """With add_rmsnorm, gate_up_swiglu and decode_linear, each layer hands its residual to the MLP and the MLP to
     down_proj's kernel; without decode_linear the MLP adds it as HF does. The logits stay the unpatched ones."""
-    import optiq.patches.decoder_layer as decoder_layer
-    import optiq.patches.mlp as mlp
+    import optiq.patching.replacements.decoder_layer as decoder_layer
+    import optiq.patching.replacements.mlp as mlp
     from optiq.models import load_model
 
     model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
@@ -79,7 +80,7 @@ def test_the_residual_add_after_the_mlp_goes_into_down_projs_kernel(monkeypatch,
             (type(m).__name__, residual is not None and getattr(m.forward, "takes_residual", False)))
             or real(m, x, residual))(module.plus_residual)
         monkeypatch.setattr(module, "plus_residual", spy)
-    patched = decode(model, steps=1, patches=patches)
+    patched = decode(model, steps=1)
     layers = model.config.num_hidden_layers * 2  # the prefill's forward, then the step's
     assert handed.count(("LlamaMLP", True)) == layers
     assert handed.count(("Linear", True)) == (layers if with_decode_linear else 0)
@@ -87,18 +88,20 @@ def test_the_residual_add_after_the_mlp_goes_into_down_projs_kernel(monkeypatch,
     unpatch(model)
 
 
-def test_swiglu_and_engine_patch(tmp_path):
+def test_swiglu_and_the_engine_s_sampler(tmp_path):
+    """greedy_sample patches the engine's sampler function (optiq.engine.sample_greedy), which every engine's steps
+    look up; undoing it puts torch's argmax back."""
     from optiq.models import load_model
 
     model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
     reference = decode(model)
     catalog = load_catalog()
-    engine = DecodeEngine(model, 2, 16)
-    patches = apply(model, [catalog["swiglu"], catalog["greedy_sample"]], engine=engine)
-    assert "sample" in vars(engine) and patches.summary()[1]["engines"] == 1
-    torch.testing.assert_close(decode(model, patches=patches), reference, rtol=1e-5, atol=1e-5)
+    plain = decode_engine.sample_greedy
+    patches = apply(model, [catalog["swiglu"], catalog["greedy_sample"]])
+    assert decode_engine.sample_greedy is not plain and patches.summary()[1]["functions"] == 1
+    torch.testing.assert_close(decode(model), reference, rtol=1e-5, atol=1e-5)
     patches.undo("greedy_sample")
-    assert "sample" not in vars(engine) and "swiglu" in patches.applied
+    assert decode_engine.sample_greedy is plain and "swiglu" in patches.applied
     patches.undo()
     assert "forward" not in vars(model.model.layers[0].mlp)
 
@@ -122,7 +125,7 @@ def test_two_recipes_on_one_module_class_are_refused():
     assert patches_of(model) is None and "forward" not in vars(model.model.layers[0].mlp)
 
 
-@pytest.mark.parametrize("field, path", [("fusion", "fusions.rmsnorm:no_such_kernel"),
+@pytest.mark.parametrize("field, path", [("fusion", "optiq.fusions.rmsnorm:no_such_kernel"),
                                          ("with_", "optiq.no_such_module:rmsnorm_forward")])
 def test_an_import_path_that_does_not_resolve_is_a_clear_error(tmp_path, field, path):
     from optiq.models import load_model
@@ -135,30 +138,29 @@ def test_an_import_path_that_does_not_resolve_is_a_clear_error(tmp_path, field, 
     assert patches_of(model) is None
 
 
-def test_engine_recipes_are_in_the_profiled_step(tmp_path):
-    """apply-fusion's after-profile runs the engine recipes its timed runs run (the fused sampler, not torch's)."""
+def test_the_fused_sampler_is_in_the_profiled_step(tmp_path):
+    """apply-fusion's after-profile runs the sampler its timed runs run (the fused one, not torch's argmax), and the
+    profile's annotation of it is taken off again."""
     import gzip
     import json
 
     from optiq.models import load_model
-    from optiq.profiling import profile_step
+    from optiq.profiling.capture import profile_step
 
     model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
     patches = apply(model, [load_catalog()["greedy_sample"]])
-    profile_step(model, 2, 8, 32, "eager", tmp_path, 2, engine_patches=patches)
+    fused = decode_engine.sample_greedy
+    profile_step(model, 2, 8, 32, "eager", tmp_path, 2)
     names = {e.get("name", "") for e in json.load(gzip.open(tmp_path / "trace_eager_C2.json.gz"))["traceEvents"]}
     assert any("greedy_sample" in n for n in names) and not any(n == "aten::argmax" for n in names)
-    assert patches.applied["greedy_sample"].engines == []
+    assert decode_engine.sample_greedy is fused
     unpatch(model)
 
 
-def test_an_opened_engine_is_detached_and_released_even_when_its_block_fails():
+def test_an_opened_engine_is_released_even_when_its_block_fails():
     from optiq.models import load_model
 
     model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
-    patches = apply(model, [load_catalog()["greedy_sample"]])
-    with pytest.raises(RuntimeError, match="the block failed"), opened(model, 2, 16, engine_patches=patches) as engine:
-        assert patches.applied["greedy_sample"].engines == [engine]
+    with pytest.raises(RuntimeError, match="the block failed"), opened(model, 2, 16) as engine:
         raise RuntimeError("the block failed")
-    assert patches.applied["greedy_sample"].engines == [] and engine.cache is None
-    unpatch(model)
+    assert engine.cache is None

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from optiq.cli import cli
-from optiq.trace_reader import read_trace
+from optiq.traces.reader import read_trace
 
 FAST = ["--prompt-len", "16", "--max-len", "64", "--steps", "2", "--json"]
 

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from optiq.attribution import weighted_kernels
-from optiq.proposals import propose
-from optiq.recipes import load_catalog
-from optiq.trace_reader import read_trace
+from optiq.traces.attribution import weighted_kernels
+from optiq.catalog.proposals import propose
+from optiq.catalog.recipes import load_catalog
+from optiq.traces.reader import read_trace
 
 TRACES = Path(__file__).parent.parent / "traces"
 
@@ -35,7 +35,7 @@ def test_decode_attention_first_for_llama_at_c64(catalog):
 
 
 def test_graph_trace_aligned_gives_the_same_first_proposal(catalog):
-    from optiq.attribution import align_graph_with_eager
+    from optiq.traces.attribution import align_graph_with_eager
 
     graph = read_trace(TRACES / "llama-3.1-8b_graph_C64.json.gz")
     align_graph_with_eager(graph, read_trace(TRACES / "llama-3.1-8b_eager_C64.json.gz"))
@@ -70,7 +70,7 @@ def test_input_norms_stay_with_rmsnorm_when_add_rmsnorm_takes_the_post_attention
     import torch
 
     from optiq.models import load_model
-    from optiq.profiling import profile_step
+    from optiq.profiling.capture import profile_step
 
     model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
     kernels = weighted_kernels([profile_step(model, 2, 8, 32, "eager", tmp_path, 2)])
@@ -86,9 +86,9 @@ def test_the_router_is_proposed_once_although_two_recipes_patch_it(catalog, tmp_
     ranks first."""
     import torch
 
-    from optiq.fusing import choose_recipes
+    from optiq.catalog.proposals import choose_recipes
     from optiq.models import load_model
-    from optiq.profiling import profile_step
+    from optiq.profiling.capture import profile_step
 
     model = load_model("tiny-deepseek-v2", torch.float32, torch.device("cpu"))
     kernels = weighted_kernels([profile_step(model, 2, 8, 32, "eager", tmp_path, 2)])
@@ -104,7 +104,7 @@ def test_moe_router_takes_the_routing_of_the_h200_moe_trace(catalog):
 
 
 def _named(recipe, pct):
-    from optiq.proposals import Proposal
+    from optiq.catalog.proposals import Proposal
 
     return Proposal(recipe, 0.0, pct, 0.0, "", "")
 
@@ -115,7 +115,7 @@ def test_attention_prologue_outranks_qkv_proj_and_takes_the_qk_norms(catalog, tm
     import torch
 
     from optiq.models import load_model
-    from optiq.profiling import profile_step
+    from optiq.profiling.capture import profile_step
 
     model = load_model("tiny-qwen3-moe", torch.float32, torch.device("cpu"))
     kernels = weighted_kernels([profile_step(model, 2, 8, 32, "eager", tmp_path, 2)])

@@ -1,6 +1,7 @@
 """The catalog loads and explains itself; malformed user recipes are rejected with the file, the field and why."""
 
 import importlib
+from importlib import resources
 import json
 import shutil
 
@@ -9,7 +10,7 @@ from click.testing import CliRunner
 
 from optiq.cli import cli
 from optiq.errors import OptiqError
-from optiq.recipes import builtin_dir, load_catalog
+from optiq.catalog.recipes import load_catalog
 
 BUILTIN = {"decode_attention", "rmsnorm", "add_rmsnorm", "swiglu", "gate_up_swiglu", "qkv_proj", "rope", "greedy_sample",
            "moe_experts", "mla_decode", "moe_router", "precision_flip", "attention_prologue", "decode_linear"}
@@ -27,7 +28,8 @@ def test_builtin_catalog_and_fusion_paths_resolve():
 
 
 def _user_recipe(tmp_path, name="my_norm", **replace):
-    text = (builtin_dir() / "rmsnorm.toml").read_text().replace('name = "rmsnorm"', f'name = "{name}"')
+    text = resources.files("optiq.builtin_recipes").joinpath("rmsnorm.toml").read_text()
+    text = text.replace('name = "rmsnorm"', f'name = "{name}"')
     for old, new in replace.items():
         assert old in text or old.startswith("+"), old
         text = text + new if old.startswith("+") else text.replace(old, new)
@@ -40,7 +42,7 @@ def _user_recipe(tmp_path, name="my_norm", **replace):
     ({'tolerance = "exact_order"': ""}, "'tolerance' is missing"),
     ({'tolerance = "exact_order"': 'tolerance = "close enough"'}, "'tolerance' must be one of"),
     ({'op_classes = [': 'op_classes = ["bogus", '}, "unknown classes ['bogus']"),
-    ({'fusion = "fusions.rmsnorm:rmsnorm"': 'fusion = "fusions/rmsnorm.py"'}, "'fusion' must be an import path"),
+    ({'fusion = "optiq.fusions.rmsnorm:rmsnorm"': 'fusion = "fusions/rmsnorm.py"'}, "'fusion' must be an import path"),
     ({'kind = "module_forward"': 'kind = "monkey"'}, "'patch.kind' must be one of"),
     ({"kernels_saved_per_layer = 14": 'kernels_saved_per_layer = "many"'}, "'fixes.kernels_saved_per_layer' must be"),
     ({"[patch]": "[patch"}, "not valid TOML"),

@@ -7,9 +7,9 @@ import torch
 from transformers.modeling_utils import AttentionInterface
 
 from optiq.models import load_model
-from optiq.reference_attention import NAME, grouped_attention, grouped_decode_attention
-import optiq.validation as validation
-from optiq.validation import _decode
+from optiq.gate.references.attention import NAME, grouped_attention, grouped_decode_attention
+import optiq.gate.references.fp32 as fp32_reference
+from optiq.gate.end_to_end import decode
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, value_dim", [(8, 2, 16), (4, 4, 16), (4, 4, 8)])
@@ -51,10 +51,10 @@ def test_a_reference_decode_is_hf_s_sdpa_decode(monkeypatch):
     monkeypatch.setitem(AttentionInterface._global_mapping, NAME,
                         lambda *args, **kwargs: calls.append(args[1].shape[2]) or grouped_attention(*args, **kwargs))
     with torch.inference_mode():
-        grouped, grouped_picks = _decode(model, prompt, 5, None, [], [], dtype=torch.float32)
+        grouped, grouped_picks = decode(model, prompt, 5, None, [], dtype=torch.float32)
     assert calls.count(1) == 5 * model.config.num_hidden_layers  # every decode step's layers, one query token each
     with torch.inference_mode():
-        monkeypatch.setattr(validation, "grouped_decode_attention", lambda model: nullcontext())
-        sdpa, sdpa_picks = _decode(model, prompt, 5, None, [], [], dtype=torch.float32)
+        monkeypatch.setattr(fp32_reference, "grouped_decode_attention", lambda model: nullcontext())
+        sdpa, sdpa_picks = decode(model, prompt, 5, None, [], dtype=torch.float32)
     torch.testing.assert_close(grouped, sdpa, rtol=1e-5, atol=1e-5)
     assert torch.equal(grouped_picks, sdpa_picks)

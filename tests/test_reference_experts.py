@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from optiq.models import load_model
-from optiq.reference_experts import DENSE_TOKENS, experts_forward
-from optiq.validation import _reference, computing_in
+from optiq.gate.references.experts import DENSE_TOKENS, experts_forward
+from optiq.gate.references.float64 import float64_path
+from optiq.gate.references.fp32 import computing_in
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 parts' products need CUDA")
 
@@ -95,7 +96,7 @@ def test_the_float64_copy_of_a_site_is_freed_on_exit_without_a_garbage_collectio
     gc.collect()
     gc.disable()
     try:
-        with _reference(module.forward) as exact:
+        with float64_path(module.forward) as exact:
             copies = [weakref.ref(m) for m in _modules_behind(exact) if m is not module]
             assert copies and all(c().gate_up_proj.dtype == torch.float64 for c in copies
                                   if hasattr(c(), "gate_up_proj"))

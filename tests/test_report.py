@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from optiq.cli import cli
+from optiq.record import SCHEMA_VERSION, from_json
 from optiq.report import (compare_runs, headline, load_report, render_html, report_document, savings,
                           time_to_optimized, write_report)
 from optiq.rundir import write_json
@@ -45,12 +46,14 @@ def proposal(recipe, ms, pct, kernels):
 def h200_report() -> dict:
     """An apply-fusion report of llama-3.1-8b on the H200: two recipes applied, one rolled back, one not applicable."""
     return {
-        "model": "llama-3.1-8b", "dtype": "bfloat16", "mode": "graph", "status": "complete",
+        "schema": SCHEMA_VERSION, "command": "apply-fusion", "model": "llama-3.1-8b", "dtype": "bfloat16",
+        "mode": "graph", "status": "complete",
         "environment": {"device": "NVIDIA H200", "torch": "2.13.0+cu130", "transformers": "5.17.0", "cuda": "13.0",
                         "python": "3.12.3", "optiq": "0.1.0"},
         "workload": {"prompt_len": 512, "new_tokens": 128, "max_len": 1024, "repeats": 3},
         "concurrency": [1, 16, 64],
-        "recipes_requested": ["auto"],
+        "fusion": {
+        "requested": ["auto"],
         "proposals": {"64": [proposal("decode_attention", 45.867, 85.8, 192.0), proposal("rmsnorm", 1.555, 2.9, 584.0),
                              proposal("rope", 0.738, 1.4, 320.0)],
                       "1": [proposal("decode_attention", 2.1, 26.0, 192.0), proposal("rmsnorm", 0.9, 11.1, 584.0)]},
@@ -64,13 +67,14 @@ def h200_report() -> dict:
                         "err_fused": 2.0e-3, "err_unfused": 2.1e-3, "bound": 4.3e-3, "site": "LlamaRMSNorm"},
             "rope": {"recipe": "rope", "tolerance": "exact_order", "passed": False,
                      "reason": "err 9.1e-02 > bound 6.2e-03 at call 3", "calls": 32, "err_fused": 9.1e-2,
-                     "err_unfused": 2.0e-3, "bound": 6.2e-3, "site": "apply_rotary_pos_emb"}},
+                     "err_unfused": 2.0e-3, "bound": 6.2e-3, "site": "apply_rotary_pos_emb", "seconds": 0.9}},
             "end_to_end": [{"concurrency": c, "steps": 64, "passed": True, "rel_err": 3e-3, "rel_err_unpatched": 2e-3,
                             "bound": 9e-3, "top1": 0.99, "top1_unpatched": 0.99, "min_top1": 0.94,
                             "recipes": ["decode_attention", "rmsnorm"]} for c in (1, 64)]},
-        "before": {"rows": [bench_row("graph", c, ms) for c, ms in BEFORE.items()]
-                   + [bench_row("compile+graph", c, ms) for c, ms in COMPILED.items()]},
-        "after": {"rows": [bench_row("graph", c, ms) for c, ms in AFTER.items()]},
+        "timings": {"patch_s": 0.4, "gate_s": 12.0, "capture_s": 1.2}},
+        "before": [bench_row("graph", c, ms) for c, ms in BEFORE.items()]
+                  + [bench_row("compile+graph", c, ms) for c, ms in COMPILED.items()],
+        "after": [bench_row("optiq+graph", c, ms) for c, ms in AFTER.items()],
         "attribution_before": {
             "1": attribution({"gemm": (5.1, 321.0), "attention": (1.0, 32.0), "copy_": (1.2, 326.0),
                               "mul": (0.4, 292.0), "reduction": (0.2, 65.0), "elementwise": (0.2, 625.0)}),
@@ -81,8 +85,11 @@ def h200_report() -> dict:
                               "elementwise": (0.2, 500.0)}),
             "64": attribution({"gemm": (4.776, 321.0), "triton": (9.8, 97.0), "copy_": (0.3, 20.0), "mul": (0.4, 160.0),
                                "elementwise": (0.7, 500.0)})},
-        "timings": {"patch_s": 0.4, "gate_s": 12.0, "capture_s": 1.2},
     }
+
+
+def h200_record():
+    return from_json(h200_report())
 
 
 def run_dir_with(tmp_path, report, name="apply-fusion-20261201-120000"):
@@ -97,7 +104,7 @@ def run_cli(*args):
 
 
 def test_headline_is_after_over_before_compile_and_floor():
-    rows = {h["concurrency"]: h for h in headline(h200_report())}
+    rows = {h["concurrency"]: h for h in headline(h200_record())}
     assert list(rows) == [1, 16, 64]
     c64 = rows[64]
     assert c64["before_tok_per_s"] == pytest.approx(1233.2, abs=0.1) and c64["after_tok_per_s"] == pytest.approx(4000)
@@ -108,7 +115,7 @@ def test_headline_is_after_over_before_compile_and_floor():
 
 
 def test_savings_predicted_per_recipe_measured_for_the_set():
-    s = savings(h200_report())
+    s = savings(h200_record())
     assert s["predicted_ms_per_step"] == {"decode_attention": {1: 2.1, 64: 45.867}, "rmsnorm": {1: 0.9, 64: 1.555}}
     assert s["measured_ms_per_step"][64] == pytest.approx(51.898 - 16.0)
     assert s["kernels_removed_per_step"] == {1: 1661 - 1098, 16: None, 64: 1661 - 1098}
@@ -116,14 +123,14 @@ def test_savings_predicted_per_recipe_measured_for_the_set():
 
 def test_time_to_optimized_sets_patch_gate_and_capture_against_compile_s_warm_up():
     report = h200_report()
-    for row in report["before"]["rows"]:
+    for row in report["before"]:
         row["warmup_s"] = 30.0 if row["variant"] == "compile+graph" else 0.2
-    optimized, warmup = time_to_optimized(report)
+    optimized, warmup = time_to_optimized(from_json(report))
     assert optimized == pytest.approx(0.4 + 12.0 + 1.2) and warmup == pytest.approx(30.0 * len(COMPILED))
-    report["before"]["rows"] = [r for r in report["before"]["rows"] if r["variant"] == "graph"]
-    assert time_to_optimized(report) == (pytest.approx(13.6), None)
-    del report["timings"]["capture_s"]  # a run the gate rejected never captures
-    assert time_to_optimized(report) is None
+    report["before"] = [r for r in report["before"] if r["variant"] == "graph"]
+    assert time_to_optimized(from_json(report)) == (pytest.approx(13.6), None)
+    report["fusion"]["timings"]["capture_s"] = None  # a run the gate rejected never captures
+    assert time_to_optimized(from_json(report)) is None
 
 
 def test_markdown_has_every_section_and_the_gate_verdicts(tmp_path):
@@ -133,7 +140,7 @@ def test_markdown_has_every_section_and_the_gate_verdicts(tmp_path):
     md = (run / "report.md").read_text()
     for text in ("llama-3.1-8b · bfloat16 · graph · NVIDIA H200", "torch 2.13.0+cu130", "prompt 512 tokens",
                  "| 64 | 1,233.2 | 4,000.0 | 3.24× | 2,612.9 | 1.53× | 13,637.3 | 29.3 |",
-                 "| rope | rolled back | exact_order | 32 | 9.10e-02 | 2.00e-03 | 6.20e-03 | — | err 9.1e-02 > bound",
+                 "| rope | rolled back | exact_order | 32 | 9.10e-02 | 2.00e-03 | 6.20e-03 | 0.9 | err 9.1e-02 > bound",
                  "| gate_up_swiglu | not applicable |", "no fused gate_up weight",
                  "| predicted: decode_attention (ms/step) | 2.100 | — | 45.867 |",
                  "| measured: kernels removed per step (profiled) | 563 | — | 563 |", "not separable",
@@ -144,7 +151,7 @@ def test_markdown_has_every_section_and_the_gate_verdicts(tmp_path):
 
 def test_workers_that_compiled_ahead_are_listed_with_their_outcome_and_times(tmp_path):
     report = h200_report()
-    report["compile_ahead"] = [
+    report["fusion"]["compile_ahead"] = [
         {"engine": [64, 514, 512], "status": "done", "ready_s": 8.43, "sent_s": 10.0, "seconds": 4.17},
         {"engine": [1, 1024, 512], "status": "stopped", "ready_s": 9.0, "sent_s": 10.0, "seconds": None},
         {"engine": [1, 577, 512], "status": "failed: OSError", "ready_s": None, "sent_s": 10.0, "seconds": None}]
@@ -158,7 +165,7 @@ def test_workers_that_compiled_ahead_are_listed_with_their_outcome_and_times(tmp
 def test_html_is_self_contained_with_three_plots():
     import plotly.offline
 
-    page = render_html(report_document(h200_report()))
+    page = render_html(report_document(h200_record()))
     assert page.count('class="plotly-graph-div"') == 3 and page.count("Plotly.newPlot(") == 3
     assert page.count(plotly.offline.get_plotlyjs()) == 1
     # plotly.js itself holds URLs it never fetches for these plots (links, the geo maps' cdn.plot.ly); the rest of the
@@ -172,15 +179,16 @@ def test_html_is_self_contained_with_three_plots():
 def partial(kind):
     report = h200_report()
     if kind == "rejected":
-        report.update(status="rejected", after={}, applied=[], rolled_back=["decode_attention", "rmsnorm", "rope"],
-                      attribution_after={})
+        report.update(status="rejected", after=[], attribution_after={})
+        report["fusion"].update(applied=[], rolled_back=["decode_attention", "rmsnorm", "rope"])
     elif kind == "no compile, oom, no after profile":
-        report["before"]["rows"] = [r for r in report["before"]["rows"] if r["variant"] == "graph"]
-        report["after"]["rows"][2] = {"variant": "graph", "mode": "graph", "concurrency": 64, "status": "oom",
-                                      "error": "CUDA out of memory"}
+        report["before"] = [r for r in report["before"] if r["variant"] == "graph"]
+        report["after"][2] = {"variant": "optiq+graph", "mode": "graph", "concurrency": 64, "status": "oom",
+                              "error": "CUDA out of memory"}
         report["attribution_after"] = {}
     elif kind == "bare":
-        report = {"model": "tiny-llama", "status": "incomplete"}
+        report = {key: report[key] for key in ("schema", "command", "environment", "workload", "dtype", "mode")}
+        report.update(model="tiny-llama", status="incomplete", concurrency=[])
     return report
 
 
@@ -190,7 +198,7 @@ def test_missing_parts_render(tmp_path, kind):
     run = run_dir_with(tmp_path, report)
     assert write_report(run).note is None
     md, page = (run / "report.md").read_text(), (run / "report.html").read_text()
-    rows = {h["concurrency"]: h for h in headline(report)}
+    rows = {h["concurrency"]: h for h in headline(from_json(report))}
     if kind == "rejected":
         assert rows[64]["after_tok_per_s"] is None and "| 64 | 1,233.2 | — | — |" in md and "rejected" in md
         assert page.count('class="plotly-graph-div"') == 3  # the before profile still stacks
@@ -228,7 +236,7 @@ def test_report_command_rerenders_and_summarises(tmp_path):
 
 def test_nan_gate_numbers_survive_the_round_trip(tmp_path):
     report = h200_report()
-    report["gate"]["recipes"]["rmsnorm"].update(err_fused=float("nan"), err_unfused=float("nan"))
+    report["fusion"]["gate"]["recipes"]["rmsnorm"].update(err_fused=float("nan"), err_unfused=float("nan"))
     run = run_dir_with(tmp_path, report)
     write_report(run)
     assert "| rmsnorm | applied | exact_order | 65 | — | — | 4.30e-03 |" in (run / "report.md").read_text()
@@ -258,16 +266,19 @@ def test_compare_two_runs(tmp_path):
 
 def test_compare_runs_with_different_concurrencies():
     a, b = h200_report(), copy.deepcopy(h200_report())
-    b["after"]["rows"] = b["after"]["rows"][:1]
+    b["after"] = b["after"][:1]
     b["concurrency"] = [1]
-    ratios = {t["concurrency"]: t["ratio"] for t in compare_runs(a, b)["throughput"]}
+    ratios = {t["concurrency"]: t["ratio"] for t in compare_runs(from_json(a), from_json(b))["throughput"]}
     assert ratios[1] == pytest.approx(1.0) and ratios[16] is None and ratios[64] is None
 
 
 @pytest.mark.parametrize(("setup", "message"), [
     (lambda p: None, "is not a directory"),
-    (lambda p: p.mkdir(), "has no report.json"),
+    (lambda p: p.mkdir(), "has no report.json or results.json"),
     (lambda p: (p.mkdir(), (p / "report.json").write_text("{oops")), "is not valid JSON"),
+    (lambda p: (p.mkdir(), (p / "report.json").write_text('{"model": "x"}')), "schema version none (an older optiq)"),
+    (lambda p: (p.mkdir(), write_json(p / "report.json", {**h200_report(), "status": 3})),
+     "report.json.status: expected str, not 3"),
     (lambda p: (p.touch()), "is not a directory"),
 ])
 def test_bad_run_is_one_line_and_exit_1(tmp_path, setup, message):

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from optiq import roofline
+from optiq.measure import roofline
 from optiq.models import load_model
 
 

@@ -58,8 +58,8 @@ def test_a_full_disk_mid_sweep_is_one_line_and_keeps_what_was_written(tmp_path, 
     assert result.stderr.strip().startswith("optiq: error: cannot write") and "No space left on device" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
     (run,) = (tmp_path / "runs").iterdir()
-    assert [r["concurrency"] for r in json.loads((run / "results.json").read_text())["rows"]] == [1]
-    assert sorted(p.name for p in run.iterdir()) == ["environment.json", "results.csv", "results.json", "run.json"]
+    assert [r["concurrency"] for r in json.loads((run / "results.json").read_text())["before"]] == [1]
+    assert sorted(p.name for p in run.iterdir()) == ["results.csv", "results.json", "run.json"]
 
 
 def test_two_processes_at_once_write_separate_run_directories(tmp_path):
@@ -73,4 +73,4 @@ def test_two_processes_at_once_write_separate_run_directories(tmp_path):
     assert len(dirs) == 2 and len(list((tmp_path / "runs").iterdir())) == 2
     for run in (tmp_path / "runs").iterdir():
         assert json.loads((run / "run.json").read_text())["status"] == "complete"
-        assert [r["concurrency"] for r in json.loads((run / "results.json").read_text())["rows"]] == [1, 2]
+        assert [r["concurrency"] for r in json.loads((run / "results.json").read_text())["before"]] == [1, 2]

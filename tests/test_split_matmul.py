@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from optiq.models import load_model
-from optiq.split_matmul import SPLIT_ROWS, SPLIT_WEIGHT, bf16_parts, fp32_linear, linear
-from optiq.validation import _decode, computing_in
+from optiq.gate.references.split_matmul import SPLIT_ROWS, SPLIT_WEIGHT, bf16_parts, fp32_linear, linear
+from optiq.gate.end_to_end import decode
+from optiq.gate.references.fp32 import computing_in
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.mm's out_dtype needs CUDA")
 
@@ -71,8 +72,8 @@ def test_computing_in_fp32_on_a_gpu_takes_linear_layers_from_bf16_parts():
     prompt = torch.randint(0, model.config.vocab_size, (4, SPLIT_ROWS // 4), device="cuda",  # a split prefill
                            generator=torch.Generator("cuda").manual_seed(1))
     with torch.inference_mode():
-        want, want_picks = _decode(copy.deepcopy(model).float(), prompt, 4, None, [], [])
-        got, got_picks = _decode(model, prompt, 4, None, [], [], dtype=torch.float32)
+        want, want_picks = decode(copy.deepcopy(model).float(), prompt, 4, None, [])
+        got, got_picks = decode(model, prompt, 4, None, [], dtype=torch.float32)
         with computing_in(model, torch.float32):
             assert all(m.weight.dtype == torch.bfloat16 for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert ((got - want).norm() / want.norm()).item() < 1e-5 and torch.equal(got_picks, want_picks)

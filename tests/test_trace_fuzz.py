@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from optiq.errors import OptiqError
-from optiq.trace_reader import Trace, read_trace
+from optiq.traces.reader import Trace, read_trace
 
 TRACES = Path(__file__).parent.parent / "traces"
 FUZZ = settings(deadline=None, derandomize=True, database=None,

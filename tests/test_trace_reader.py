@@ -14,7 +14,7 @@ import pytest
 
 from data.make_traces import cpu_trace
 from optiq.errors import OptiqError
-from optiq.trace_reader import read_trace
+from optiq.traces.reader import read_trace
 
 DATA = Path(__file__).parent / "data"
 GPU_CATS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
@@ -212,7 +212,7 @@ def test_real_gpu_traces_in_traces_dir():
     """Traces captured on an H200 by `optiq profile` (traces/*.json.gz), when present: per-class totals equal an
     independent sum over the raw events, classified the same way, each event counted for its own time (less its
     overlap with the one before on its stream: the after-traces since session 7 launch with PDL)."""
-    from optiq.op_classes import class_of_kernel, class_of_op, class_of_top_op
+    from optiq.traces.op_classes import class_of_kernel, class_of_op, class_of_top_op
 
     paths = sorted((Path(__file__).parent.parent / "traces").glob("*.json.gz"))
     if not paths:
@@ -248,7 +248,7 @@ def test_real_gpu_traces_in_traces_dir():
 def test_ranks_with_clock_offsets_attribute_as_if_aligned(tmp_path):
     """Each rank's clock starts anywhere (here 0 and 5e12 us later, and 3.7 s earlier): steps, idle gaps and totals
     are measured within a rank, so the offsets change nothing, alone or all ranks together."""
-    from optiq.attribution import attribute
+    from optiq.traces.attribution import attribute
     from optiq.commands.analyze import read_ranks
 
     doc = load(DATA / "gpu_eager.json.gz")
@@ -280,7 +280,7 @@ def test_kernels_launched_with_pdl_count_their_own_time_once():
     stream): in the file each kernel starts while its predecessor runs, so the raw durations add up to far more than
     the steps; read, each counts from its predecessor's end, and a step's kernel time is its busy time, within its
     wall time."""
-    from optiq.attribution import step_stats
+    from optiq.traces.attribution import step_stats
 
     path = Path(__file__).parent.parent / "traces" / "qwen3-0.6b_fused_graph_C1.json.gz"
     raw = sum(e["dur"] for e in load(path)["traceEvents"] if e.get("cat") in GPU_CATS)

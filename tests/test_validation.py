@@ -5,11 +5,13 @@ import copy
 import pytest
 import torch
 
+import optiq.gate.end_to_end as gate_end_to_end
+from optiq.catalog.recipes import load_catalog
+from optiq.gate import GatePlan, validate
+from optiq.gate.end_to_end import baselines, check_end_to_end, decode
+from optiq.gate.references.attention import grouped_decode_attention
 from optiq.models import load_model
 from optiq.patching import apply, unpatch
-from optiq.recipes import load_catalog
-from optiq.reference_attention import grouped_decode_attention
-from optiq.validation import _decode, baselines, end_to_end, validate
 from wrong_kernels import user_recipe
 
 FAST = {"concurrencies": (1, 2), "steps": 3, "prompt_len": 5}
@@ -22,7 +24,7 @@ def test_builtin_recipes_pass(tiny_model, left_out):
     catalog = load_catalog()
     patches = apply(tiny_model, [r for name, r in catalog.items() if name not in left_out])
     try:
-        report = validate(patches, **FAST)
+        report = validate(patches, GatePlan(**FAST))
         assert report.passed, report
         assert all(r.passed and r.calls > 0 for r in report.recipes.values())
         assert all(e.top1 == 1.0 and e.rel_err <= e.bound for e in report.end_to_end)
@@ -34,7 +36,7 @@ def test_builtin_recipes_pass(tiny_model, left_out):
 def test_default_path_decodes_64_steps():
     model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
     patches = apply(model, [load_catalog()["rmsnorm"]])
-    report = validate(patches, concurrencies=(1,))
+    report = validate(patches, GatePlan(concurrencies=(1,)))
     assert report.passed and [e.steps for e in report.end_to_end] == [64]
     assert "rmsnorm" in patches.applied
 
@@ -50,7 +52,7 @@ def test_wrong_kernels_are_rolled_back_and_others_stay(tmp_path, base, fusion, w
     model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
     wrong = user_recipe(tmp_path, base, "wrong", fusion=fusion)
     patches = apply(model, [wrong, load_catalog()["greedy_sample"]])
-    report = validate(patches, **FAST)
+    report = validate(patches, GatePlan(**FAST))
     result = report.recipes["wrong"]
     assert not result.passed and why in result.reason, result
     assert report.rolled_back == ["wrong"] and list(patches.applied) == ["greedy_sample"]
@@ -66,9 +68,9 @@ def test_computing_in_fp32_equals_an_fp32_copy_and_restores_the_weights(preset):
     prompt = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
     fp32_copy = copy.deepcopy(model).float()
     with torch.inference_mode(), grouped_decode_attention(fp32_copy):  # the attention the reference decodes with
-        want, want_picks = _decode(fp32_copy, prompt, 4, None, [], [])
+        want, want_picks = decode(fp32_copy, prompt, 4, None, [])
     with torch.inference_mode():
-        got, got_picks = _decode(model, prompt, 4, None, [], [], dtype=torch.float32)
+        got, got_picks = decode(model, prompt, 4, None, [], dtype=torch.float32)
     assert torch.equal(got, want) and torch.equal(got_picks, want_picks)
     assert all(p is q and p.data_ptr() == address and p.dtype == torch.bfloat16
                for (p, address), q in zip(stored, model.parameters()))
@@ -77,7 +79,7 @@ def test_computing_in_fp32_equals_an_fp32_copy_and_restores_the_weights(preset):
 def test_bf16_model_is_gated_against_itself_computing_in_fp32():
     model = load_model("tiny-llama", torch.bfloat16, torch.device("cpu"))
     patches = apply(model, [load_catalog()["rmsnorm"]])
-    report = validate(patches, concurrencies=(1,), steps=3, prompt_len=5)
+    report = validate(patches, GatePlan(concurrencies=(1,), steps=3, prompt_len=5))
     assert report.passed, report
     (check,) = report.end_to_end
     assert 0 < check.rel_err_unpatched < 0.05 and check.rel_err <= check.bound
@@ -89,10 +91,10 @@ def test_bf16_model_is_gated_against_itself_computing_in_fp32():
 def test_graph_mode_gate_checks_the_captured_patched_model(preset):
     model = load_model(preset, torch.bfloat16, torch.device("cuda"))
     patches = apply(model, [r for name, r in load_catalog().items() if name not in ("swiglu", "qkv_proj")])
-    report = validate(patches, concurrencies=(1, 16), steps=8, prompt_len=5, mode="graph")
+    report = validate(patches, GatePlan(concurrencies=(1, 16), steps=8, prompt_len=5, mode="graph"))
     assert report.passed, report
     assert not report.rolled_back and all(e.top1 >= e.min_top1 for e in report.end_to_end)
-    assert report.reference_mode == "graph"  # the MoE's fp32 experts too (optiq.reference_experts)
+    assert report.reference_mode == "graph"  # the MoE's fp32 experts too (optiq.gate.references.experts)
 
 
 @pytest.mark.parametrize("preset, base, fusion", [
@@ -108,11 +110,11 @@ def test_graph_mode_gate_checks_the_captured_patched_model(preset):
 def test_moe_and_mla_recipes_pass_and_their_wrong_kernels_are_rolled_back(tmp_path, preset, base, fusion):
     model = load_model(preset, torch.float32, torch.device("cpu"))
     patches = apply(model, [load_catalog()[base]])
-    report = validate(patches, **FAST)
+    report = validate(patches, GatePlan(**FAST))
     assert report.passed and report.recipes[base].calls > 0, report
     unpatch(model)
     patches = apply(model, [user_recipe(tmp_path, base, "wrong", fusion=fusion)])
-    report = validate(patches, **FAST)
+    report = validate(patches, GatePlan(**FAST))
     assert report.rolled_back == ["wrong"] and "error" in report.recipes["wrong"].reason, report
     assert all("forward" not in vars(m) for m in model.modules())
 
@@ -125,7 +127,7 @@ def test_the_whole_catalog_passes_on_the_mla_moe_preset():
                             if r.applies_to("deepseek_v2") and r.name != "precision_flip"])
     assert set(patches.applied) == {"rmsnorm", "add_rmsnorm", "mla_decode", "moe_router", "moe_experts",
                                     "decode_linear", "greedy_sample"}
-    report = validate(patches, **FAST)
+    report = validate(patches, GatePlan(**FAST))
     assert report.passed and not report.rolled_back, report
     unpatch(model)
 
@@ -139,7 +141,7 @@ def test_precision_flip_rounds_only_what_is_not_bf16_already(dtype):
     model = load_model("tiny-deepseek-v2", dtype, torch.device("cpu"))
     stored = model.model.layers[1].mlp.gate.weight.dtype
     patches = apply(model, [load_catalog()["precision_flip"]])
-    report = validate(patches, **FAST)
+    report = validate(patches, GatePlan(**FAST))
     result = report.recipes["precision_flip"]
     assert result.calls > 0 and report.passed, report
     if stored == torch.bfloat16:
@@ -152,7 +154,7 @@ def test_precision_flip_rounds_only_what_is_not_bf16_already(dtype):
 def test_top_k_pairs_compare_as_sets_per_row():
     """A router's (weights, ids) in another order within a row is the same routing; another expert is not, and a
     lone integer output (a sampled token) still compares position by position."""
-    from optiq.validation import _error
+    from optiq.gate.rules import error as _error
 
     weights = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]])
     ids = torch.tensor([[4, 1, 7], [0, 2, 5]])
@@ -165,18 +167,17 @@ def test_top_k_pairs_compare_as_sets_per_row():
 def test_one_fp32_reference_decode_serves_every_concurrency(monkeypatch):
     """A half-precision model's gate decodes the fp32 reference once, at the largest concurrency; the slice a smaller
     concurrency gets is what a reference decode of its own prompt gives (each sequence is computed on its own)."""
-    import optiq.validation as validation
-
     model = load_model("tiny-llama", torch.bfloat16, torch.device("cpu"))
     patches = apply(model, [load_catalog()["rmsnorm"]])
     decodes = []
-    plain_decode = validation._decode
-    monkeypatch.setattr(validation, "_decode", lambda *a, **k: decodes.append(k.get("dtype")) or plain_decode(*a, **k))
-    report = validate(patches, **FAST)
+    plain_decode = gate_end_to_end.decode
+    monkeypatch.setattr(gate_end_to_end, "decode",
+                        lambda *a, **k: decodes.append(k.get("dtype")) or plain_decode(*a, **k))
+    report = validate(patches, GatePlan(**FAST))
     assert report.passed and decodes.count(torch.float32) == 1, decodes
-    found, *_ = validation.baselines(patches, (1, 2), 3, 5, 0, "eager")
+    found, *_ = baselines(patches, GatePlan((1, 2), 3, 5))
     with torch.inference_mode(), patches.suspended():
-        alone, alone_picks = plain_decode(model, found[1].prompt, 3, None, [], [], dtype=torch.float32)
+        alone, alone_picks = plain_decode(model, found[1].prompt, 3, None, [], dtype=torch.float32)
     torch.testing.assert_close(found[1].want, alone, rtol=1e-5, atol=1e-5)
     assert torch.equal(found[1].picks, alone_picks)
     unpatch(model)
@@ -187,8 +188,8 @@ def test_streamed_errors_equal_those_of_the_stored_logits():
     those of the whole decodes' logits compared at once, for the unpatched model as for the patched one."""
     model = load_model("tiny-llama", torch.bfloat16, torch.device("cpu"))
     patches = apply(model, [load_catalog()["rmsnorm"]])
-    found, *_ = baselines(patches, (1, 2), 3, 5, 0, "eager")
-    checks = end_to_end(patches, ["rmsnorm"], found)
+    found, *_ = baselines(patches, GatePlan((1, 2), 3, 5))
+    checks = check_end_to_end(patches, ["rmsnorm"], found)
     assert [c.concurrency for c in checks] == [1, 2]
     with torch.inference_mode(), patches.suspended():
         for check in checks:
@@ -197,7 +198,7 @@ def test_streamed_errors_equal_those_of_the_stored_logits():
             want = b.want.double()
             for changes, rel_err, top1 in [([], check.rel_err_unpatched, check.top1_unpatched),
                                            (patches.applied["rmsnorm"].changes, check.rel_err, check.top1)]:
-                got, picks = _decode(model, b.prompt, 3, b.picks, changes, [])
+                got, picks = decode(model, b.prompt, 3, b.picks, changes)
                 expected = ((got.double() - want).norm() / want.norm()).item()
                 assert 0 < rel_err == pytest.approx(expected, rel=1e-9, abs=0), (changes, rel_err, expected)
                 assert top1 == (picks[1:] == b.picks[1:]).double().mean().item()
@@ -211,8 +212,8 @@ def test_the_fp32_reference_decodes_in_graph_mode_as_eager():
     model = load_model("tiny-llama", torch.bfloat16, torch.device("cuda"))
     prompt = torch.randint(0, model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(5)).cuda()
     with torch.inference_mode():
-        eager, eager_picks = _decode(model, prompt, 8, None, [], [], "eager", dtype=torch.float32)
-        graph, graph_picks = _decode(model, prompt, 8, None, [], [], "graph", dtype=torch.float32)
+        eager, eager_picks = decode(model, prompt, 8, None, [], "eager", dtype=torch.float32)
+        graph, graph_picks = decode(model, prompt, 8, None, [], "graph", dtype=torch.float32)
     torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
     assert torch.equal(graph_picks, eager_picks)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())

@@ -2,25 +2,26 @@
 and user recipes that point at them."""
 
 import re
+from importlib import resources
 from pathlib import Path
 
 import torch
 
-from fusions.attention_prologue import attention_prologue
-from fusions.decode_attention import decode_attention_reference
-from fusions.mla_decode import mla_decode_reference
-from fusions.moe_experts import moe_experts_reference
-from fusions.moe_router import route_reference
-from fusions.rmsnorm import rmsnorm_reference
-from fusions.rope import rope_reference
+from optiq.fusions.attention_prologue import attention_prologue
+from optiq.fusions.decode_attention import decode_attention_reference
+from optiq.fusions.mla_decode import mla_decode_reference
+from optiq.fusions.moe_experts import moe_experts_reference
+from optiq.fusions.moe_router import route_reference
+from optiq.fusions.rmsnorm import rmsnorm_reference
+from optiq.fusions.rope import rope_reference
 
 
 def user_recipe(directory: Path, base: str, name: str, **fields: str):
     """A user recipe file in ``directory``: the built-in ``base`` renamed, with top-level or [patch] string fields
     replaced (``with_`` for ``with``); returns it as the catalog loads it."""
-    from optiq.recipes import builtin_dir, load_catalog
+    from optiq.catalog.recipes import load_catalog
 
-    text = (builtin_dir() / f"{base}.toml").read_text()
+    text = resources.files("optiq.builtin_recipes").joinpath(f"{base}.toml").read_text()
     for key, value in {"name": name, **fields}.items():
         key = key.rstrip("_")
         text = re.sub(rf'^{key} = ".*"$', f'{key} = "{value}"', text, count=1, flags=re.M)

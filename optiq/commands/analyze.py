@@ -5,19 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from rich.table import Table
-
-from optiq.attribution import GROUPINGS, Attribution, align_graph_with_eager, attribute, weighted_kernels
-from optiq.commands.common import err, out, print_json
-from optiq.commands.proposals_view import proposals_records, proposals_table
-from optiq.commands.recipes import recipes_dir_option
+from optiq.catalog.proposals import propose
+from optiq.catalog.recipes import load_catalog
+from optiq.commands.common import err, out, print_json, recipes_dir_option
+from optiq.commands.views import attribution_view, proposals_records, proposals_table
 from optiq.errors import OptiqError
-from optiq.proposals import propose
-from optiq.recipes import load_catalog
 from optiq.rundir import write_csv
-from optiq.trace_reader import Trace, read_trace
-
-TABLE_COLUMNS = ("gpu_ms_per_step", "pct", "kernels_per_step", "mean_us", "top_kernels", "where")
+from optiq.traces.attribution import (GROUPINGS, align_graph_with_eager, attribute, attribution_document,
+                                      weighted_kernels)
+from optiq.traces.reader import Trace, read_trace
 
 
 def read_ranks(paths: list[str]) -> list[Trace]:
@@ -39,38 +35,6 @@ def align_with_companion(traces: list[Trace], companion: str) -> None:
             trace.notes.append("no CUDA-graph replay in this trace: --eager-companion not used")
             continue
         align_graph_with_eager(trace, eager)
-
-
-def methods_line(attribution: Attribution) -> str:
-    used = {m: share for m, share in attribution.methods.items() if share > 0 or m in ("linkage", "none")}
-    return "attributed by " + ", ".join(f"{m} {100 * share:.1f}%" for m, share in used.items())
-
-
-def summary_line(attribution: Attribution) -> str:
-    s = attribution.summary
-    return (f"{s['steps']} step(s) · {s['time_unit']} {s['gpu_ms_per_step']:.3f} ms/step (busy "
-            f"{s['busy_ms_per_step']:.3f}) · wall {s['wall_ms_per_step']:.3f} ms/step · idle "
-            f"{100 * s['idle_frac']:.0f}% · {s['kernels_per_step']:.0f} kernels, {s['launches_per_step']:.0f} "
-            f"launches per step")
-
-
-def render(attribution: Attribution, title: str) -> Table:
-    unit = "GPU" if attribution.summary["time_unit"] == "GPU time" else "CPU"
-    table = Table(title=title, caption=f"{summary_line(attribution)}\n{methods_line(attribution)}")
-    for name in (attribution.by, f"{unit} ms/step", f"% {unit}", "kernels/step", "us/kernel", "top kernels", "where"):
-        table.add_column(name, justify="right" if "/" in name or "%" in name else "left", overflow="fold")
-    for row in attribution.table.itertuples():
-        table.add_row(str(row.label), f"{row.gpu_ms_per_step:.4f}", f"{row.pct:.1f}", f"{row.kernels_per_step:.1f}",
-                      f"{row.mean_us:.2f}", row.top_kernels, row.where)
-    return table
-
-
-def document(attribution: Attribution, traces: list[Trace]) -> dict:
-    return {"by": attribution.by, "files": [t.path for t in traces], "ranks": [t.rank for t in traces],
-            "step_source": sorted({t.step_source for t in traces}), "summary": attribution.summary,
-            "methods": attribution.methods, "notes": attribution.notes,
-            "table": attribution.table.to_dict(orient="records"),
-            "steps": attribution.steps.to_dict(orient="records")}
 
 
 @click.command()
@@ -111,12 +75,12 @@ def analyze(traces, by, eager_companion, top, as_json, csv_path, model_type, rec
                 for row in a.table.drop(columns="label").to_dict(orient="records")]
         write_csv(Path(csv_path), rows)
     if as_json:
-        print_json({"results": [{"scope": title, **document(a, ts),
+        print_json({"results": [{"scope": title, **attribution_document(a, ts),
                                   **({"proposals": proposals_records(proposals[title])} if proposals else {})}
                                  for title, ts, a in results]})
         return
     for title, _, attribution in results:
-        out.print(render(attribution, f"{title} · by {by}"))
+        out.print(attribution_view(attribution, f"{title} · by {by}"))
         for note in attribution.notes:
             out.print(f"  note: {note}")
         if proposals:

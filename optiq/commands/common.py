@@ -1,4 +1,5 @@
-"""What every command shares: parsing lists, the consoles, the model options, and JSON output."""
+"""What every command shares: the consoles, the options, parsing them, progress, and JSON output. Commands import
+this module and ``views``, never one another."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import json
 import os
 import sys
 
+from contextlib import contextmanager, suppress
+
 import click
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from optiq.errors import EXIT_INTERRUPTED, OptiqError
+from optiq.errors import EXIT_GATE_REJECTED_ALL, EXIT_INTERRUPTED, OptiqError
 
 # Tables go to stdout, progress and notes to stderr, so ``--json`` output stays one clean document.
 # Piped output keeps whole table rows instead of rich's 80-column default.
@@ -122,5 +126,102 @@ def model_options(func):
     return func
 
 
+recipes_dir_option = click.option("--recipes-dir", multiple=True, type=click.Path(file_okay=False),
+                                  help="A directory of your own recipe files (*.toml); may be repeated.")
+
+
 def print_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
+
+
+class _SweepBar:
+    """workflow.SweepProgress on a rich progress bar."""
+
+    def __init__(self, progress, task, label: str):
+        self.progress, self.task, self.label = progress, task, label
+
+    def start(self, variant: str, concurrency: int) -> None:
+        self.progress.update(self.task, description=f"{self.label} {variant} C={concurrency}")
+
+    def done(self) -> None:
+        self.progress.advance(self.task)
+
+
+@contextmanager
+def _sweep_bar(label: str, points: int):
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                        TimeElapsedColumn(), console=err, transient=True)
+    with progress:
+        yield _SweepBar(progress, progress.add_task(label, total=points), label)
+
+
+def console_hooks(save):
+    """workflow.Hooks for a terminal: spinners and progress bars on stderr, ``save(record)`` after every step."""
+    from optiq.workflow import Hooks
+
+    return Hooks(save=save, status=err.status, sweep=_sweep_bar)
+
+
+# The file each command keeps its run record in (optiq.record), beside the rows as CSV for bench.
+RECORD_FILES = {"apply-fusion": "report.json", "bench": "results.json"}
+
+
+def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_len, new_tokens, max_len, repeats,
+            peers, requested, recipes_dirs, gate_steps, min_share, runs_dir, profile: bool):
+    """What ``apply-fusion`` and ``bench`` share around the workflow: the flags checked before any work, a run
+    directory, the record saved after every step, and how the run ends (exit 1 with the record marked failed, 130
+    interrupted, 3 when the gate rejected every recipe). Returns the record and the run directory."""
+    device, mode = resolve_device_and_mode(device, mode)  # first: it picks Triton's interpreter on the CPU
+    from optiq.catalog.proposals import named_recipes
+    from optiq.catalog.recipes import load_catalog
+    from optiq.measure.sweep import check_workload
+    from optiq.models import default_dtype, default_preset, resolve_dtype
+    from optiq.record import Workload
+    from optiq.rundir import RunDir, write_csv, write_json
+    from optiq.workflow import Job, new_record, run
+
+    concurrency, prompt_len, new_tokens, max_len = workload_defaults(
+        device, concurrency=concurrency, prompt_len=prompt_len, new_tokens=new_tokens, max_len=max_len)
+    workload = Workload(prompt_len, new_tokens, max_len, repeats)
+    check_workload(workload)
+    catalog = load_catalog(recipes_dirs) if requested else {}
+    if requested and requested != "auto":
+        named_recipes(requested, catalog)  # unknown names fail before any work
+    job = Job(command, model_spec or default_preset(device), resolve_dtype(dtype or default_dtype(device), device),
+              device, mode, parse_concurrency(concurrency), workload, peers, requested, catalog, tuple(recipes_dirs),
+              gate_steps, min_share, profile)
+    record = new_record(job)
+    run_dir = RunDir(runs_dir, command, dict(model=job.model, dtype=record.dtype, mode=mode,
+                                             concurrency=job.concurrencies, compare=peers, recipes=requested,
+                                             gate_steps=gate_steps, **vars(workload)))
+
+    def save(record) -> None:
+        write_json(run_dir.path / RECORD_FILES[command], record.to_json())
+        if command == "bench":
+            write_csv(run_dir.path / "results.csv", [{k: v for k, v in vars(r).items() if k != "ms_per_step_repeats"}
+                                                     for r in record.before + record.after])
+
+    def points() -> int:
+        return len(record.before) + len(record.after)
+
+    try:
+        run(job, record, run_dir.path, console_hooks(save))
+    except OptiqError:
+        record.status = "failed"
+        with suppress(OptiqError):  # what was measured is on disk already, and the error may be a full disk
+            save(record)
+        run_dir.finish("failed", points_done=points())
+        raise
+    except KeyboardInterrupt:
+        record.status = "incomplete"
+        save(record)  # once more: the interrupt may land between two files of a save
+        stop_interrupted(run_dir, f"{points()} point(s)", points_done=points())
+    save(record)
+    run_dir.finish(record.status, points_done=points())
+    return record, run_dir
+
+
+def exit_if_rejected(record) -> None:
+    """Exit code 3 once everything is shown, when the gate rejected every recipe."""
+    if record.status == "rejected":
+        raise SystemExit(EXIT_GATE_REJECTED_ALL)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import click
 
-from optiq.commands.common import (err, model_options, out, parse_concurrency, print_json, resolve_device_and_mode,
-                                   stop_interrupted, workload_defaults, workload_options)
-from optiq.commands.proposals_view import proposals_records, proposals_table
-from optiq.commands.recipes import recipes_dir_option
+from optiq.commands.common import (err, model_options, out, parse_concurrency, print_json, recipes_dir_option,
+                                   resolve_device_and_mode, stop_interrupted, workload_defaults, workload_options)
 
 
 @click.command()
@@ -32,28 +30,31 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
     when the nvtx package is installed). The run directory keeps each trace (.json.gz) and attribution (JSON, CSV).
     Each concurrency ends with proposals: the catalog's recipes ranked by the GPU time they would replace.
     """
-    from optiq.attribution import attribute, weighted_kernels
-    from optiq.bench import Workload, free_memory
-    from optiq.commands.analyze import document, render
-    from optiq.commands.bench import environment
-    from optiq.models import default_dtype, default_preset, load_model, resolve_dtype
-    from optiq.profiling import profile_step
-    from optiq.proposals import propose
-    from optiq.recipes import load_catalog
-    from optiq.rundir import RunDir, write_csv, write_json
+    device, mode = resolve_device_and_mode(device, mode)  # first: it picks Triton's interpreter on the CPU
+    from dataclasses import asdict
 
-    device, mode = resolve_device_and_mode(device, mode)
+    from optiq.catalog.proposals import propose
+    from optiq.catalog.recipes import load_catalog
+    from optiq.commands.views import attribution_view, proposals_records, proposals_table
+    from optiq.measure.sweep import check_workload, free_memory
+    from optiq.models import default_dtype, default_preset, load_model, resolve_dtype
+    from optiq.profiling.capture import profile_step
+    from optiq.record import Workload
+    from optiq.rundir import RunDir, write_csv, write_json
+    from optiq.traces.attribution import attribute, attribution_document, weighted_kernels
+    from optiq.workflow import environment
+
     concurrency, prompt_len, max_len = workload_defaults(device, "1,64", concurrency=concurrency,
                                                          prompt_len=prompt_len, max_len=max_len)
     catalog = load_catalog(recipes_dir)
     model_spec = model_spec or default_preset(device)
-    Workload(prompt_len, steps, max_len, repeats=1).check(steps_flag="--steps")
+    check_workload(Workload(prompt_len, steps, max_len, repeats=1), steps_flag="--steps")
     concurrencies = parse_concurrency(concurrency)
     torch_dtype = resolve_dtype(dtype or default_dtype(device), device)
     args = dict(model=model_spec, dtype=str(torch_dtype).removeprefix("torch."), concurrency=concurrencies,
                 mode=mode, prompt_len=prompt_len, max_len=max_len, steps=steps, by=by)
     run = RunDir(runs_dir, "profile", args)
-    write_json(run.path / "environment.json", environment(device))
+    write_json(run.path / "environment.json", asdict(environment(device)))
     with err.status(f"loading {model_spec}"):
         model = load_model(model_spec, torch_dtype, device)
 
@@ -64,13 +65,13 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
                 timed = profile_step(model, batch, prompt_len, max_len, mode, run.path, steps)
                 attribution = attribute([timed], by, top)
                 proposals = propose(catalog, weighted_kernels([timed]), model.config.model_type)
-            doc = {"concurrency": batch, "mode": mode, **document(attribution, [timed]),
+            doc = {"concurrency": batch, "mode": mode, **attribution_document(attribution, [timed]),
                    "proposals": proposals_records(proposals)}
             write_json(run.path / f"attribution_C{batch}.json", doc)
             write_csv(run.path / f"attribution_C{batch}.csv", attribution.table.to_dict(orient="records"))
             results.append(doc)
             if not as_json:
-                out.print(render(attribution, f"{model_spec} · C={batch} · {mode} · by {by}"))
+                out.print(attribution_view(attribution, f"{model_spec} · C={batch} · {mode} · by {by}"))
                 for note in attribution.notes:
                     out.print(f"  note: {note}")
                 out.print(proposals_table(proposals, f"proposals · {model_spec} · C={batch}"))

@@ -7,12 +7,9 @@ from dataclasses import asdict
 import click
 from rich.table import Table
 
-from optiq.commands.common import out, print_json
+from optiq.catalog.recipes import TOLERANCES, load_catalog
+from optiq.commands.common import out, print_json, recipes_dir_option
 from optiq.errors import OptiqError
-from optiq.recipes import TOLERANCES, load_catalog
-
-recipes_dir_option = click.option("--recipes-dir", multiple=True, type=click.Path(file_okay=False),
-                                  help="A directory of your own recipe files (*.toml); may be repeated.")
 
 
 @click.group(invoke_without_command=True)

@@ -1,26 +1,16 @@
-"""``optiq report``: re-render a run's report from its report.json, or compare two runs."""
+"""``optiq report``: render a run's report from its run record, or compare two runs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
-from rich.table import Table as RichTable
 
 from optiq.commands.common import err, out, print_json
-from optiq.report import (Table, Written, compare_document, compare_runs, gate_table, headline, headline_table,
-                          load_report, write_document, write_report)
-
-
-def rich_table(table: Table) -> RichTable:
-    """A report table for the terminal: numeric columns right-aligned, text folded rather than cut."""
-    rich = RichTable(title=table.title, caption=table.note or None)
-    for i, column in enumerate(table.columns):
-        numeric = all(row[i][:1].isdigit() or row[i][:1] in "—-+" for row in table.rows if row[i])
-        rich.add_column(column, justify="right" if numeric else "left", overflow="fold")
-    for row in table.rows:
-        rich.add_row(*row)
-    return rich
+from optiq.commands.views import rich_table
+from optiq.record import RunRecord
+from optiq.report import (Written, compare_document, compare_runs, gate_table, headline, headline_table, load_report,
+                          write_document, write_report)
 
 
 def _written(written: Written) -> str:
@@ -35,10 +25,11 @@ def _written(written: Written) -> str:
               help="Comparing two runs: also write compare.md and compare.html here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the numbers as one JSON document.")
 def report(runs, out_dir, as_json):
-    """Render or compare apply-fusion runs.
+    """Render or compare apply-fusion or bench runs.
 
     \b
-    optiq report RUN            re-render RUN/report.md and RUN/report.html from RUN/report.json
+    optiq report RUN            (re-)render RUN/report.md and RUN/report.html from its record (report.json
+                                of apply-fusion, results.json of bench)
     optiq report RUN_A RUN_B    compare two runs: tok/s per concurrency, GPU ms/step per op class
 
     Each run is compared in the state it ended with: the patched model when it was re-measured, else as it was.
@@ -55,17 +46,17 @@ def report(runs, out_dir, as_json):
         _compare(runs, reports, out_dir, as_json)
 
 
-def _render(run: Path, doc: dict, as_json: bool) -> None:
-    written = _written(write_report(run, doc))
+def _render(run: Path, record: RunRecord, as_json: bool) -> None:
+    written = _written(write_report(run, record))
     if as_json:
-        print_json({"run_dir": str(run), "status": doc.get("status"), "headline": headline(doc), "written": written})
+        print_json({"run_dir": str(run), "status": record.status, "headline": headline(record), "written": written})
         return
-    out.print(rich_table(headline_table(doc)))
-    out.print(rich_table(gate_table(doc)))
-    out.print(f"status: {doc.get('status', '?')} · written: {written}")
+    out.print(rich_table(headline_table(record)))
+    out.print(rich_table(gate_table(record)))
+    out.print(f"status: {record.status} · written: {written}")
 
 
-def _compare(runs: tuple[Path, Path], reports: list[dict], out_dir: Path | None, as_json: bool) -> None:
+def _compare(runs: tuple[Path, Path], reports: list[RunRecord], out_dir: Path | None, as_json: bool) -> None:
     (a, b), (name_a, name_b) = reports, (runs[0].name, runs[1].name)
     doc = compare_document(a, b, name_a, name_b)
     written = ""

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fusions.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference
+from optiq.fusions.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference
 from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 # The sum is rounded to the model dtype, then the norm rounds twice; the interpreter truncates.

@@ -7,7 +7,7 @@ CPU cases run under the Triton interpreter at small shapes; CUDA cases use qwen3
 import pytest
 import torch
 
-from fusions.attention_prologue import attention_prologue, attention_prologue_reference, benchmark_case
+from optiq.fusions.attention_prologue import attention_prologue, attention_prologue_reference, benchmark_case
 from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2}

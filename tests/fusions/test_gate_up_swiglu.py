@@ -6,7 +6,7 @@ CPU cases run the kernel under the Triton interpreter at small shapes; CUDA case
 import pytest
 import torch
 
-from fusions.gate_up_swiglu import (
+from optiq.fusions.gate_up_swiglu import (
     _tile_config,
     benchmark_case,
     gate_up_swiglu,

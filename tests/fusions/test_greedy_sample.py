@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fusions.greedy_sample import greedy_sample, greedy_sample_reference
+from optiq.fusions.greedy_sample import greedy_sample, greedy_sample_reference
 from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 POISON = -1  # no valid token id

@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fusions.add_rmsnorm import add_rmsnorm
-from fusions.gate_up_swiglu import gate_up_swiglu, interleave_gate_up
-from fusions.launch import enabled, launch_options
-from fusions.linear import linear
-from fusions.rmsnorm import rmsnorm
+from optiq.fusions.add_rmsnorm import add_rmsnorm
+from optiq.fusions.gate_up_swiglu import gate_up_swiglu, interleave_gate_up
+from optiq.fusions.launch import enabled, launch_options
+from optiq.fusions.linear import linear
+from optiq.fusions.rmsnorm import rmsnorm
 from kernel_testing import CUDA, needs_cuda
 
 HOPPER = CUDA and torch.cuda.get_device_capability()[0] >= 9

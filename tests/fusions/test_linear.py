@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusions.linear import DECODE_ROWS, PROJECTIONS, benchmark_case, linear
+from optiq.fusions.linear import DECODE_ROWS, PROJECTIONS, benchmark_case, linear
 from kernel_testing import OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

@@ -7,7 +7,7 @@ CPU cases run the kernels under the Triton interpreter at small, odd shapes; CUD
 import pytest
 import torch
 
-from fusions.mla_decode import benchmark_case, mla_decode, mla_decode_reference
+from optiq.fusions.mla_decode import benchmark_case, mla_decode, mla_decode_reference
 from kernel_testing import OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}

@@ -6,7 +6,7 @@ CPU cases run the kernels under the Triton interpreter at small, odd shapes; CUD
 import pytest
 import torch
 
-from fusions.moe_experts import (benchmark_case, grouped_mm_experts, moe_experts, moe_experts_reference,
+from optiq.fusions.moe_experts import (benchmark_case, grouped_mm_experts, moe_experts, moe_experts_reference,
                                  pack_by_expert)
 from kernel_testing import OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 

@@ -7,7 +7,7 @@ CPU cases run under the Triton interpreter at small, odd shapes; CUDA cases use 
 import pytest
 import torch
 
-from fusions.moe_router import route, route_from_hidden, route_reference
+from optiq.fusions.moe_router import route, route_from_hidden, route_reference
 from kernel_testing import CUDA, OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 TOLERANCES = {torch.float32: 1e-6, torch.bfloat16: 8e-3}

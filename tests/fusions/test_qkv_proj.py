@@ -6,7 +6,7 @@ The op is one cuBLAS/CPU GEMM over the concatenated weight (no Triton kernel), s
 import pytest
 import torch
 
-from fusions.qkv_proj import benchmark_case, concat_qkv_weights, qkv_proj, qkv_proj_reference
+from optiq.fusions.qkv_proj import benchmark_case, concat_qkv_weights, qkv_proj, qkv_proj_reference
 from kernel_testing import CUDA, OPCHECKS, assert_graph_replay_and_compile, needs_cuda
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}

@@ -5,7 +5,7 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from fusions.rmsnorm import rmsnorm, rmsnorm_reference
+from optiq.fusions.rmsnorm import rmsnorm, rmsnorm_reference
 from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 # bf16/fp16 round twice (normed, then times weight); the interpreter truncates instead of rounding.

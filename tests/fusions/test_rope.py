@@ -6,7 +6,7 @@ CPU cases run the kernel under the Triton interpreter at small shapes; CUDA case
 import pytest
 import torch
 
-from fusions.rope import benchmark_case, rope, rope_reference
+from optiq.fusions.rope import benchmark_case, rope, rope_reference
 from kernel_testing import CUDA, OPCHECKS, assert_graph_replay_and_compile, needs_cuda
 
 # The interpreter rounds to bf16 by truncation, and rope rounds to the model dtype several times, as HF does.

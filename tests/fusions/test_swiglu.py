@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fusions.swiglu import swiglu, swiglu_reference
+from optiq.fusions.swiglu import swiglu, swiglu_reference
 from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 # bf16/fp16 round twice (silu, then the product); the interpreter truncates instead of rounding.

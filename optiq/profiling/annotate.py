@@ -91,7 +91,7 @@ def annotated(model: torch.nn.Module, engine=None):
         patch(modules[qualified], "forward", name)
     if engine is not None:
         patch(engine.cache, "update", "optiq/role/kv_write")
-        patch(engine, "sample", "optiq/role/sampling")
+        patch(sys.modules[type(engine).__module__], "sample_greedy", "optiq/role/sampling")
     modeling = {type(layer.self_attn).__module__ for layer in model.get_decoder().layers}
     for module_name in sorted(modeling | {"transformers.integrations.sdpa_attention"}):
         module = sys.modules.get(module_name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from optiq.patches import plus_residual
+from optiq.patching.replacements import plus_residual
 
 
 def add_rmsnorm_forward(layer: torch.nn.Module, fusion):

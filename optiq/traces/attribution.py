@@ -15,8 +15,8 @@ from difflib import SequenceMatcher
 import numpy as np
 import pandas as pd
 
-from optiq.op_classes import short_kernel_name
-from optiq.trace_reader import Trace
+from optiq.traces.op_classes import short_kernel_name
+from optiq.traces.reader import Trace
 
 METHODS = ("linkage", "alignment", "name", "none", "cpu_op")
 GROUPINGS = {"class": "op_class", "role": "role", "kernel": "name", "layer": "layer"}
@@ -229,3 +229,12 @@ def attribute(traces: list[Trace], by: str = "class", top: int = 3) -> Attributi
         notes.append("no optiq/role annotations in this trace: every kernel is outside a role")
     return Attribution(by=by, table=attribution_table(frame, by, top), steps=steps, methods=methods,
                        summary=summary, notes=list(dict.fromkeys(notes)))
+
+
+def attribution_document(attribution: Attribution, traces: list[Trace]) -> dict:
+    """The attribution as one JSON document, as ``optiq analyze --json`` and ``optiq profile`` write it."""
+    return {"by": attribution.by, "files": [t.path for t in traces], "ranks": [t.rank for t in traces],
+            "step_source": sorted({t.step_source for t in traces}), "summary": attribution.summary,
+            "methods": attribution.methods, "notes": attribution.notes,
+            "table": attribution.table.to_dict(orient="records"),
+            "steps": attribution.steps.to_dict(orient="records")}

@@ -2,20 +2,19 @@
 
 An fp32 significand has 24 bits and a bf16 one 8, so an fp32 ``x`` is exactly the sum of three bf16 parts
 (``bf16_parts``). With a bf16 weight ``W``, each part's products with ``W`` are exact in fp32 and the tensor cores
-accumulate them in fp32, so three bf16 GEMMs give ``x @ W.T`` at bf16 tensor-core speed. Not quite to fp32 accuracy: the
-tensor cores' accumulation truncates, and on the H200 the result was 2-4.4e-6 (relative) from the exact product where
-an fp32 GEMM on the SIMT cores is 0.1-1.1e-6 and a bf16 product ~2e-3. That is what the validation gate's fp32
-reference needs (it tells bf16 errors apart), and it halved the reference's time on llama-3.1-8b (16.7 -> 8.5 s), most
-of which was fp32 SIMT GEMMs in the prefill of 64 x 512 tokens.
+accumulate them in fp32, so three bf16 GEMMs give ``x @ W.T`` at bf16 tensor-core speed. Not quite to fp32 accuracy
+(the tensor cores' accumulation truncates: a few millionths, relative, from the exact product, against about a
+thousandth for a bf16 product), which is what the validation gate's fp32 reference needs: it tells bf16 errors apart,
+in a fraction of the time fp32 GEMMs on the SIMT cores take in a large prefill (BENCHMARKS.md has the figures).
 """
 
 import torch
 import torch.nn.functional as F
 
-# Where the split pays (H200, the gate's fp32 reference decode of 64 x 512 tokens + 64 steps, eager): always in the
-# prefill (tensor cores against SIMT cores); in decode steps only for large weights, where casting the weight to fp32
-# on every call costs more than the split's extra launches (llama-3.1-8b's steps 5.1 s split vs 7.0 s cast;
-# qwen3-0.6b's, whose weights are 1-3M elements but for the lm_head, 4.5 s split vs 2.8 s cast).
+# Where the split pays (measured on the gate's fp32 reference decode; BENCHMARKS.md): always in the prefill (tensor
+# cores against SIMT cores); in decode steps only for large weights, where casting the weight to fp32 on every call
+# costs more than the split's extra launches (llama-3.1-8b's, not qwen3-0.6b's, whose weights are 1-3M elements but
+# for the lm_head).
 SPLIT_ROWS = 256
 SPLIT_WEIGHT = 1 << 24  # elements
 

@@ -8,30 +8,23 @@ from __future__ import annotations
 
 import gc
 import statistics
-from dataclasses import dataclass
 
 import torch
 
 from optiq.engine import WARMUP_STEPS, opened
 from optiq.errors import OptiqError
-from optiq.roofline import floor_ms_per_step
-from optiq.timing import Timer
+from optiq.measure.roofline import floor_ms_per_step
+from optiq.measure.timing import Timer
+from optiq.record import Row, Workload
 
 
-@dataclass(frozen=True)
-class Workload:
-    prompt_len: int = 512
-    new_tokens: int = 128
-    max_len: int = 1024
-    repeats: int = 3
-
-    def check(self, steps_flag: str = "--new-tokens") -> None:
-        """A workload that cannot run is the user's to fix: say which flags clash."""
-        if min(self.prompt_len, self.new_tokens, self.repeats) < 1:
-            raise OptiqError("prompt length, new tokens and repeats must be positive")
-        if self.prompt_len + self.new_tokens + WARMUP_STEPS > self.max_len:
-            raise OptiqError(f"--max-len {self.max_len} is too short for --prompt-len {self.prompt_len} + "
-                             f"{steps_flag} {self.new_tokens} + {WARMUP_STEPS} warm-up steps")
+def check_workload(workload: Workload, steps_flag: str = "--new-tokens") -> None:
+    """A workload that cannot run is the user's to fix: say which flags clash."""
+    if min(workload.prompt_len, workload.new_tokens, workload.repeats) < 1:
+        raise OptiqError("prompt length, new tokens and repeats must be positive")
+    if workload.prompt_len + workload.new_tokens + WARMUP_STEPS > workload.max_len:
+        raise OptiqError(f"--max-len {workload.max_len} is too short for --prompt-len {workload.prompt_len} + "
+                         f"{steps_flag} {workload.new_tokens} + {WARMUP_STEPS} warm-up steps")
 
 
 def compiled_forward(model: torch.nn.Module):
@@ -51,15 +44,12 @@ def free_memory() -> None:
 
 
 def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: str, bandwidth: float,
-                  forward=None, variant: str | None = None, engine_patches=None) -> dict:
-    """Measure decode throughput of ``model`` at concurrency ``batch``; returns one row of the sweep.
-
-    ``engine_patches`` (optiq.patching.Patches) installs recipes that patch the engine itself, e.g. its sampler."""
+                  forward=None, variant: str | None = None) -> Row:
+    """Measure decode throughput of ``model`` at concurrency ``batch``; returns one row of the sweep."""
     device = next(model.parameters()).device
-    row = {"variant": variant or mode, "mode": mode, "concurrency": batch}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with opened(model, batch, workload.max_len, mode, forward, engine_patches) as engine:
+    with opened(model, batch, workload.max_len, mode, forward) as engine:
         generator = torch.Generator().manual_seed(batch)
         prompt = torch.randint(model.config.get_text_config(decoder=True).vocab_size, (batch, workload.prompt_len),
                                generator=generator)
@@ -81,8 +71,8 @@ def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: 
     ms_per_step = seconds / workload.new_tokens * 1e3
     mean_length = workload.prompt_len + (workload.new_tokens + 1) / 2
     floor_ms = floor_ms_per_step(model, batch, mean_length, bandwidth)
-    row.update(
-        status="ok",
+    return Row(
+        variant=variant or mode, mode=mode, concurrency=batch, status="ok",
         tok_per_s=batch * workload.new_tokens / seconds,
         ms_per_step=ms_per_step,
         ms_per_step_repeats=[t / workload.new_tokens * 1e3 for t in times],
@@ -93,35 +83,33 @@ def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: 
         floor_tok_per_s=batch / floor_ms * 1e3,
         pct_of_floor=100 * floor_ms / ms_per_step,
     )
-    return row
 
 
 def sweep(model: torch.nn.Module, concurrencies: list[int], workload: Workload, variants: list[tuple[str, str, object]],
-          bandwidth: float, on_row=None, on_start=None, engine_patches=None) -> list[dict]:
+          bandwidth: float, on_row=None, on_start=None) -> list[Row]:
     """Measure every (variant, concurrency); a point that runs out of memory, or where the peer (a variant with its own
     ``forward``, e.g. torch.compile) fails, is recorded and the sweep goes on.
 
-    ``variants`` holds ``(name, mode, forward)`` triples; ``on_row(rows)`` runs after each point (to save results as
+    ``variants`` holds ``(name, mode, forward)`` triples; ``on_row(row)`` runs after each point (to save results as
     they come), ``on_start(variant, concurrency)`` before each (for progress).
     """
-    rows: list[dict] = []
+    rows: list[Row] = []
     for name, mode, forward in variants:
         for batch in concurrencies:
             if on_start:
                 on_start(name, batch)
             try:
-                row = measure_point(model, batch, workload, mode, bandwidth, forward=forward, variant=name,
-                                    engine_patches=engine_patches)
+                row = measure_point(model, batch, workload, mode, bandwidth, forward=forward, variant=name)
             except Exception as exc:  # noqa: BLE001 - out-of-memory and a failing peer are recorded; the rest raises
                 oom, peer_failed = is_out_of_memory(exc), forward is not None  # the peer's failure is a result
                 if not (oom or peer_failed):
                     raise
                 first_line = next(iter(str(exc).splitlines()), "")
-                row = {"variant": name, "mode": mode, "concurrency": batch, "status": "oom" if oom else "failed",
-                       "error": f"{type(exc).__name__}: {first_line}"[:300]}
+                row = Row(name, mode, batch, "oom" if oom else "failed",
+                          error=f"{type(exc).__name__}: {first_line}"[:300])
             free_memory()
             rows.append(row)
             if on_row:
-                on_row(rows)
+                on_row(row)
     return rows
 

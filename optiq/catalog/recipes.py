@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from optiq.errors import OptiqError
-from optiq.op_classes import CLASSES
+from optiq.patching.kinds import KINDS
+from optiq.traces.op_classes import CLASSES
 
 # How close a recipe's output must stay to the unfused path's, both measured against an fp32 reference.
 TOLERANCES = {
@@ -19,14 +22,6 @@ TOLERANCES = {
     "reassociation": "sums in another order (split reductions, one GEMM for several): errors as large as unfused",
     "lossy": "lower precision on purpose (e.g. fp32 matmuls run in bf16); must still pass the end-to-end bound",
 }
-
-PATCH_KINDS = {
-    "module_forward": "modules",  # instances of these classes get a new forward
-    "function": "function",  # this module-level function of the architecture's modeling module is replaced
-    "attention_interface": "interface",  # an attention function (and its mask) registered under this name
-    "engine": "method",  # this method of optiq's decode engine is replaced
-}
-
 
 @dataclass(frozen=True)
 class Recipe:
@@ -40,7 +35,7 @@ class Recipe:
     aten_ops: tuple[str, ...]
     kernels_saved_per_layer: int
     patch_kind: str
-    patch_target: tuple[str, ...]  # module class names, or one function / interface / method name
+    patch_target: tuple[str, ...]  # module class names, or one function / interface name
     patch_with: str  # import path "module:attribute" of the factory that builds the replacement
     path: str
     patch_names: tuple[str, ...] = ()  # module_forward only: just the instances under these attribute names
@@ -57,17 +52,14 @@ class Recipe:
     @property
     def claims(self) -> tuple[tuple[str, str], ...]:
         """What the recipe takes over, in its own order; two recipes that share a claim cannot both be applied."""
-        if self.patch_kind == "attention_interface":
-            return (("the model's attention implementation", ""),)
-        kind = {"module_forward": "module class", "function": "function", "engine": "engine method"}[self.patch_kind]
-        return tuple((kind, target) for target in self.patch_target)
+        return KINDS[self.patch_kind].claims(self)
 
 
-def builtin_dir() -> Path:
-    """The catalog shipped with optiq: the source tree's ``recipes/``, or its installed copy (package data)."""
-    here = Path(__file__).resolve().parent
-    source = here.parent / "recipes"
-    return source if source.is_dir() else here / "builtin_recipes"
+def builtin_recipes() -> list[Traversable]:
+    """The catalog shipped with optiq: the recipe files of the package ``optiq.builtin_recipes``, read through
+    importlib.resources alone, so the working directory and other installed distributions never take its place."""
+    return sorted((f for f in resources.files("optiq.builtin_recipes").iterdir() if f.name.endswith(".toml")),
+                  key=lambda f: f.name)
 
 
 def _field(path: Path, table: dict, key: str, kind, where: str = ""):
@@ -90,7 +82,7 @@ def _import_path(path: Path, value: str, where: str) -> str:
     return value
 
 
-def parse_recipe(path: Path) -> Recipe:
+def parse_recipe(path: Path | Traversable) -> Recipe:
     """Read and check one recipe file."""
     try:
         data = tomllib.loads(path.read_text())
@@ -112,12 +104,11 @@ def parse_recipe(path: Path) -> Recipe:
     if saved < 0:
         raise OptiqError(f"{path}: recipe field 'fixes.kernels_saved_per_layer' must be >= 0")
     kind = _field(path, patch, "kind", str, "patch.")
-    if kind not in PATCH_KINDS:
-        raise OptiqError(f"{path}: recipe field 'patch.kind' must be one of {', '.join(PATCH_KINDS)}, not '{kind}'")
-    target_key = PATCH_KINDS[kind]
-    target = _field(path, patch, target_key, list if target_key == "modules" else str, "patch.")
+    if kind not in KINDS:
+        raise OptiqError(f"{path}: recipe field 'patch.kind' must be one of {', '.join(KINDS)}, not '{kind}'")
+    target = _field(path, patch, KINDS[kind].target_field, list if KINDS[kind].many_targets else str, "patch.")
     names = _field(path, patch, "names", list, "patch.") if "names" in patch else ()
-    if names and kind != "module_forward":
+    if names and not KINDS[kind].narrows_by_name:
         raise OptiqError(f"{path}: recipe field 'patch.names' narrows a module_forward patch only, not '{kind}'")
     architectures = _field(path, data, "architectures", list)
     if not architectures:
@@ -135,17 +126,15 @@ def parse_recipe(path: Path) -> Recipe:
 def load_catalog(extra_dirs: list[str] | tuple[str, ...] = ()) -> dict[str, Recipe]:
     """The built-in recipes plus those in ``extra_dirs`` (a user's recipe replaces a built-in one of the same name;
     two user files with the same name are refused)."""
-    catalog: dict[str, Recipe] = {}
-    for directory in (builtin_dir(), *map(Path, extra_dirs)):
+    catalog = {recipe.name: recipe for recipe in map(parse_recipe, builtin_recipes())}
+    for directory in map(Path, extra_dirs):
         if not directory.is_dir():
             raise OptiqError(f"{directory}: recipes directory not found")
-        user = directory != builtin_dir()
         seen: dict[str, str] = {}
         for path in sorted(directory.glob("*.toml")):
             recipe = parse_recipe(path)
             if recipe.name in seen:
                 raise OptiqError(f"{path}: recipe name '{recipe.name}' is also used by {seen[recipe.name]}")
             seen[recipe.name] = str(path)
-            if user or recipe.name not in catalog:
-                catalog[recipe.name] = recipe
+            catalog[recipe.name] = recipe
     return catalog

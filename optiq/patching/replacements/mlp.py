@@ -1,12 +1,12 @@
 """Gated MLPs (down(silu(gate(x)) * up(x))) through one GEMM for gate and up plus a fused SwiGLU; both forwards take
-``residual=`` (optiq.patches.plus_residual) and hand it to down_proj."""
+``residual=`` (optiq.patching.replacements.plus_residual) and hand it to down_proj."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from optiq.patches import plus_residual
+from optiq.patching.replacements import plus_residual
 
 
 def _check(mlp: torch.nn.Module) -> None:

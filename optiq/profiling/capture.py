@@ -9,21 +9,20 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from optiq.annotate import annotated, range_
+from optiq.profiling.annotate import annotated, range_
 from optiq.engine import WARMUP_STEPS, opened
 
 PROFILED_STEPS = 4
 
 
 def capture(model: torch.nn.Module, batch: int, prompt_len: int, max_len: int, mode: str, path: Path,
-            steps: int = PROFILED_STEPS, engine_patches=None) -> Path:
+            steps: int = PROFILED_STEPS) -> Path:
     """Decode ``steps`` steps of a ``batch``-sequence prompt under torch.profiler and write the trace to ``path``.
 
     Eager traces carry the role and layer annotations; graph traces only the step ranges (a replay runs no Python).
-    ``engine_patches`` (optiq.patching.Patches) installs the recipes that patch the engine, as the timed runs do.
     """
     device = next(model.parameters()).device
-    with opened(model, batch, max_len, mode, engine_patches=engine_patches) as engine:
+    with opened(model, batch, max_len, mode) as engine:
         generator = torch.Generator().manual_seed(batch)
         vocab = model.config.get_text_config(decoder=True).vocab_size
         engine.prefill(torch.randint(vocab, (batch, prompt_len), generator=generator))
@@ -55,14 +54,14 @@ def _synchronize(device: torch.device) -> None:
 
 
 def profile_step(model: torch.nn.Module, batch: int, prompt_len: int, max_len: int, mode: str, directory: Path,
-                 steps: int = PROFILED_STEPS, tag: str = "", engine_patches=None):
+                 steps: int = PROFILED_STEPS, tag: str = ""):
     """Capture and read the traces of one concurrency: the annotated eager step, and in graph mode the replay with
     its kernels aligned to the eager step's. Returns the trace of what is timed (the replay in graph mode)."""
-    from optiq.attribution import align_graph_with_eager
-    from optiq.trace_reader import read_trace
+    from optiq.traces.attribution import align_graph_with_eager
+    from optiq.traces.reader import read_trace
 
-    paths = {m: capture(model, batch, prompt_len, max_len, m, directory / f"trace_{tag}{m}_C{batch}.json.gz", steps,
-                        engine_patches) for m in dict.fromkeys(("eager", mode))}
+    paths = {m: capture(model, batch, prompt_len, max_len, m, directory / f"trace_{tag}{m}_C{batch}.json.gz", steps)
+             for m in dict.fromkeys(("eager", mode))}
     timed = eager = read_trace(paths["eager"])
     if mode == "graph":
         timed = read_trace(paths["graph"])

@@ -7,22 +7,12 @@ re-measurement tells.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pandas as pd
 
-from optiq.attribution import NO_ROLE
-from optiq.recipes import Recipe
-
-
-@dataclass(frozen=True)
-class Proposal:
-    recipe: str
-    covered_ms_per_step: float
-    covered_pct: float
-    kernels_per_step: float
-    where: str  # the largest covered (role, class) pairs with their shares
-    why: str
+from optiq.catalog.recipes import Recipe
+from optiq.errors import OptiqError
+from optiq.record import Proposal
+from optiq.traces.attribution import NO_ROLE
 
 
 def _coverage(recipe: Recipe, kernels: pd.DataFrame, has_roles: bool) -> pd.Series:
@@ -34,7 +24,7 @@ def _coverage(recipe: Recipe, kernels: pd.DataFrame, has_roles: bool) -> pd.Seri
 
 def propose(catalog: dict[str, Recipe], kernels: pd.DataFrame, model_type: str | None) -> list[Proposal]:
     """Rank the recipes applicable to ``model_type`` (None: a foreign trace, all of them) against ``kernels``, the
-    per-step weighted kernel table (``optiq.attribution.weighted_kernels``).
+    per-step weighted kernel table (``optiq.traces.attribution.weighted_kernels``).
 
     Greedy, largest first: each kernel counts for one recipe only, so the proposals' savings add up, and a recipe
     that patches a place an earlier proposal patches is dropped."""
@@ -66,3 +56,38 @@ def propose(catalog: dict[str, Recipe], kernels: pd.DataFrame, model_type: str |
             kernels_per_step=kernels_per_step, where=where,
             why=f"{name}: replaces {where} ({kernels_per_step:.0f} kernels/step)"))
     return proposals
+
+
+def propose_all(catalog: dict[str, Recipe], kernels: dict[int, pd.DataFrame], model_type: str | None,
+                rejected=()) -> dict[int, list[Proposal]]:
+    """The proposals per concurrency of profiled kernel tables, leaving out ``rejected`` recipes."""
+    candidates = {n: r for n, r in catalog.items() if n not in rejected}
+    return {c: propose(candidates, k, model_type) for c, k in kernels.items()}
+
+
+def named_recipes(requested: str, catalog: dict[str, Recipe]) -> list[str]:
+    """The recipes a comma-separated ``requested`` names, which must exist."""
+    names = [n.strip() for n in requested.split(",") if n.strip()]
+    unknown = [n for n in names if n not in catalog]
+    if unknown:
+        raise OptiqError(f"unknown recipe(s) {', '.join(unknown)}; the catalog has: {', '.join(catalog)}")
+    return names
+
+
+def choose_recipes(requested: str, catalog: dict[str, Recipe], proposals: dict[int, list[Proposal]],
+                   min_share: float) -> list[str]:
+    """``auto``: every proposal covering at least ``min_share`` % of the step at some concurrency, largest first, but
+    none that patches what a larger one patches (concurrencies may rank rivals differently); otherwise the named
+    recipes (``named_recipes``)."""
+    if requested != "auto":
+        return named_recipes(requested, catalog)
+    best: dict[str, float] = {}
+    for found in proposals.values():
+        for p in found:
+            best[p.recipe] = max(best.get(p.recipe, 0.0), p.covered_pct)
+    chosen, taken = [], set()
+    for name, share in sorted(best.items(), key=lambda item: -item[1]):
+        if share >= min_share and not taken.intersection(catalog[name].claims):
+            chosen.append(name)
+            taken.update(catalog[name].claims)
+    return chosen

@@ -16,7 +16,7 @@ import torch
 
 from optiq.engine import cache_layout
 from optiq.rundir import write_json
-from optiq.timing import Timer
+from optiq.measure.timing import Timer
 
 
 def _cache_file() -> Path:

@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from optiq.errors import OptiqError
-from optiq.op_classes import UNATTRIBUTED, class_of_kernel, class_of_op, class_of_top_op
+from optiq.traces.op_classes import UNATTRIBUTED, class_of_kernel, class_of_op, class_of_top_op
 
 try:
     _ijson = ijson.get_backend("yajl2_c")
@@ -379,8 +379,8 @@ def _own_intervals(device: np.ndarray, stream: np.ndarray, ts: np.ndarray,
     """(start, duration) of each GPU activity's own time: from the end of those before it on its stream, if later than
     its start. One stream runs in order, but a kernel launched with programmatic dependent launch is resident, waiting,
     before its predecessor ends; that time is the predecessor's, and counted twice a step's kernels would add up to
-    more than the step (optiq's own after-traces since session 7: 8.0 ms of kernels in a 4.3 ms step). Without such
-    overlap these are ``ts`` and ``dur``."""
+    more than the step (in optiq's own fused traces, nearly twice). Without such overlap these are ``ts`` and
+    ``dur``."""
     if not len(ts):
         return ts, dur
     order = np.lexsort((ts, stream, device))

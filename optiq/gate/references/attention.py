@@ -1,11 +1,11 @@
 """The attention of the gate's fp32 reference decode: softmax attention with each kv head's query heads grouped,
 in plain torch matmuls, instead of HF's sdpa path with its ``repeat_kv``.
 
-transformers 5.17's sdpa path copies every kv head's keys and values once per query head before a masked sdpa call.
-In the fp32 reference of llama-3.1-8b at C=64 those copies and fp32 sdpa were half of its 9 s of GPU time (session
-7, scripts/gate_profile.py). Grouping the query heads instead reads each key and value once. It is the same function
-(one softmax over the masked scores per query head), and it shares no code with the kernels the gate checks.
-Prompts (several query tokens) keep HF's own path.
+transformers' sdpa path copies every kv head's keys and values once per query head before a masked sdpa call; in
+the fp32 reference of a GQA model at a serving batch those copies and fp32 sdpa were half of its GPU time
+(scripts/gate_profile.py, BENCHMARKS.md). Grouping the query heads instead reads each key and value once. It is the
+same function (one softmax over the masked scores per query head), and it shares no code with the kernels the gate
+checks. Prompts (several query tokens) keep HF's own path.
 """
 
 from __future__ import annotations

@@ -3,20 +3,20 @@ batched GEMMs and the routing weights (zero for an expert a token did not pick) 
 loop over the experts hit.
 
 That loop sizes itself on the host (``nonzero``), and transformers' grouped-GEMM path copies offsets from the host in
-fp32, so the reference's decode step could not be captured in a CUDA graph and ran eager: on qwen3-30b-a3b 38.4 s of
-an 83.4 s gate (session 6), each step also casting every layer's 2.4 GB of experts to fp32; 11.5 s so (session 8).
-At C=64 a step's 512 picks hit ~126 of 128 experts anyway, so computing all of them adds little work and needs no
-host. The weights stay bf16 and the products come from bf16 parts of the fp32 activations (``split_matmul``), a few
-millionths from the exact ones. A prompt (more than DENSE_TOKENS tokens) loops over the experts it hits, with the
-same products. The gate's float64 reference of a module that holds experts (moe_experts, a decoder layer) runs them so
-too, on float64 copies: transformers' loop synchronises with the host several times per expert hit.
+fp32, so the reference's decode step could not be captured in a CUDA graph and ran eager, each step also casting
+every layer's experts to fp32: most of a MoE model's gate (BENCHMARKS.md has the figures). At a serving batch a
+step's picks hit nearly every expert anyway, so computing all of them adds little work and needs no host. The weights
+stay bf16 and the products come from bf16 parts of the fp32 activations (``split_matmul``), a few millionths from the
+exact ones. A prompt (more than DENSE_TOKENS tokens) loops over the experts it hits, with the same products. The
+gate's float64 run of a module that holds experts (moe_experts, a decoder layer) runs them so too, on float64
+copies: transformers' loop synchronises with the host several times per expert hit.
 """
 
 from __future__ import annotations
 
 import torch
 
-from optiq import split_matmul
+from optiq.gate.references import split_matmul
 
 DENSE_TOKENS = 256  # a decode step has one token per sequence; prompts have thousands
 

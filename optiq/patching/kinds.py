@@ -1,0 +1,150 @@
+"""The patch kinds, one class each: everything optiq does differently for a recipe's ``[patch] kind`` is here.
+
+A kind says which ``[patch]`` field names its target, what a recipe of that kind takes over (two recipes that claim
+the same place cannot both be applied), how it finds its sites in a model and builds their replacements from the
+recipe's factory (``optiq.patching.replacements`` documents the factories' signatures), and, for the validation
+gate, how a site's path is called on captured arguments and how the original path records them.
+
+A kind raises ValueError from ``sites`` when the model is outside what it can patch; the recipe is then reported as
+not applicable with that message.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import TYPE_CHECKING, Any, Callable
+
+from optiq.patching.changes import Change, Site, set_attribute, set_item, together
+
+if TYPE_CHECKING:
+    import torch
+
+    from optiq.catalog.recipes import Recipe
+
+
+class PatchKind:
+    name: str  # the value of ``[patch] kind``
+    target_field: str  # the ``[patch]`` field naming what it patches
+    many_targets: bool = False  # whether that field is a list
+    unit: str  # what its sites are, as counted in a summary
+    narrows_by_name: bool = False  # whether ``[patch] names`` may narrow it to the sites under those names
+
+    def claims(self, recipe: Recipe) -> tuple[tuple[str, str], ...]:
+        """What the recipe takes over, as (what, name) pairs."""
+        raise NotImplementedError
+
+    def sites(self, model: torch.nn.Module, recipe: Recipe, fusion: Callable, factory: Callable) -> list[Site]:
+        raise NotImplementedError
+
+    def call(self, path: Any) -> Callable:
+        """A site's path (original, replacement or reference) as one callable of the arguments ``recorder`` saved."""
+        return path
+
+    def recorder(self, original: Any, calls: list, copy: Callable) -> Any:
+        """The original path, appending ``copy((args, kwargs))`` of its inputs to ``calls`` at each call."""
+        def record(*args, **kwargs):
+            calls.append(copy((args, kwargs)))
+            return original(*args, **kwargs)
+        return record
+
+
+class ModuleForward(PatchKind):
+    """Instances of module classes get a new ``forward`` (``factory(module, fusion) -> forward``); ``[patch] names``
+    narrows it to the instances under those attribute names."""
+
+    name, target_field, many_targets, unit, narrows_by_name = "module_forward", "modules", True, "modules", True
+
+    def claims(self, recipe):
+        return tuple(("module class", target) for target in recipe.patch_target)
+
+    def sites(self, model, recipe, fusion, factory):
+        found = []
+        for name, module in model.named_modules():
+            if type(module).__name__ in recipe.patch_target and (
+                    not recipe.patch_names or name.rsplit(".", 1)[-1] in recipe.patch_names):
+                found.append(Site(name or type(module).__name__, module.forward, factory(module, fusion),
+                                  lambda fn, module=module: set_attribute(module, "forward", fn)))
+        return found
+
+
+class Function(PatchKind):
+    """A module-level function is replaced (``factory(original, fusion) -> function``): a bare name, in every
+    modeling module that defines one of the model's classes (one for a plain LM); ``package.module:name``, in that
+    module (optiq's decode engine looks its sampler up so, at every step)."""
+
+    name, target_field, unit = "function", "function", "functions"
+
+    def claims(self, recipe):
+        return (("function", recipe.patch_target[0]),)
+
+    def sites(self, model, recipe, fusion, factory):
+        module_name, _, name = recipe.patch_target[0].rpartition(":")
+        if module_name:
+            namespaces = [importlib.import_module(module_name)]
+        else:
+            namespaces = sorted({sys.modules[type(m).__module__] for m in model.modules()}, key=lambda ns: ns.__name__)
+        found = []
+        for namespace in (ns for ns in namespaces if callable(vars(ns).get(name))):
+            original = vars(namespace)[name]
+            found.append(Site(f"{namespace.__name__}.{name}", original, factory(original, fusion),
+                              lambda fn, namespace=namespace: set_attribute(namespace, name, fn)))
+        return found
+
+
+class AttentionInterface(PatchKind):
+    """An attention function and its mask function (``factory(fusion) -> (attention, mask)``) registered under the
+    recipe's name with transformers' AttentionInterface and AttentionMaskInterface, and the model pointed at it (a
+    custom attention without its mask function gets mask=None in static-cache decode). The gate calls the pair as
+    one: the mask from its recorded arguments, then the attention."""
+
+    name, target_field, unit = "attention_interface", "interface", "interfaces"
+
+    def claims(self, recipe):
+        return (("the model's attention implementation", ""),)
+
+    def sites(self, model, recipe, fusion, factory):
+        # transformers is imported here, not at the top: the catalog reads these classes without loading a model.
+        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.modeling_utils import AttentionInterface as Registry
+
+        name, current = recipe.patch_target[0], model.config._attn_implementation
+        if current not in Registry._global_mapping or current not in AttentionMaskInterface._global_mapping:
+            raise ValueError(f"the model runs attention '{current}', which has no interface function to compare with")
+        original = (Registry._global_mapping[current], AttentionMaskInterface._global_mapping[current])
+
+        def bind(pair):
+            return together(f"attention interface {name}", [
+                set_item(Registry._global_mapping, name, pair[0]),
+                set_item(AttentionMaskInterface._global_mapping, name, pair[1]), _set_attention(model, name)])
+
+        return [Site(f"attention interface {name} (was {current})", original, factory(fusion), bind)]
+
+    def call(self, path):
+        attention, mask = path
+        return lambda mask_kwargs, module, q, k, v, **kwargs: attention(module, q, k, v, mask(**mask_kwargs),
+                                                                        **kwargs)
+
+    def recorder(self, original, calls, copy):
+        attention, mask = original
+        latest = {}
+
+        def record_mask(**kwargs):
+            latest["mask"] = copy(kwargs)
+            return mask(**kwargs)
+
+        def record_attention(module, q, k, v, attention_mask, **kwargs):
+            calls.append(copy(((latest["mask"], module, q, k, v), kwargs)))
+            return attention(module, q, k, v, attention_mask, **kwargs)
+
+        return record_attention, record_mask
+
+
+def _set_attention(model: torch.nn.Module, name: str) -> Change:
+    """Point the model (and its sub-configs) at an attention implementation through transformers' own setter."""
+    before = model.config._attn_implementation
+    return Change(f"attn_implementation={name}", lambda: model.set_attn_implementation(name),
+                  lambda: model.set_attn_implementation(before))
+
+
+KINDS: dict[str, PatchKind] = {kind.name: kind for kind in (ModuleForward(), Function(), AttentionInterface())}

@@ -1,0 +1,247 @@
+"""The run record: every fact a fusing or measuring run leaves, as one typed document.
+
+``optiq apply-fusion`` writes it as ``report.json`` and ``optiq bench`` as ``results.json``; the workflow
+(``optiq.workflow``) fills it in as the run goes and saves it after every step, and the report (``optiq.report``)
+renders it. ``load`` checks a file against these types and its schema version, so a reader never guesses at a
+missing field. This module imports nothing but the standard library: the report renders without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from optiq.errors import OptiqError
+
+SCHEMA_VERSION = 1
+STATUSES = ("running", "complete", "rejected", "incomplete", "failed")
+
+
+@dataclass
+class Environment:
+    """What a number depends on besides the code."""
+    device: str
+    torch: str
+    transformers: str
+    cuda: str | None
+    python: str
+    optiq: str
+
+
+@dataclass
+class Workload:
+    """One decode measurement: a random prompt, then ``new_tokens`` timed steps, ``repeats`` times (the median)."""
+    prompt_len: int = 512
+    new_tokens: int = 128
+    max_len: int = 1024  # static KV-cache positions
+    repeats: int = 3
+
+
+@dataclass
+class Row:
+    """One measured point: a variant (the engine's mode, a peer such as ``compile+graph``, or ``optiq+graph``) at one
+    concurrency. ``status`` is ok, oom (out of memory) or failed (a peer that raised: ``error`` says how); the numbers
+    are there when it is ok."""
+    variant: str
+    mode: str
+    concurrency: int
+    status: str
+    tok_per_s: float | None = None
+    ms_per_step: float | None = None  # median over the repeats
+    ms_per_step_repeats: list[float] = field(default_factory=list)
+    prefill_ms: float | None = None
+    warmup_s: float | None = None  # warm-up steps: where a graph is captured and torch.compile compiles
+    peak_mem_gb: float | None = None  # CUDA only
+    floor_ms_per_step: float | None = None  # the bytes a step must read over the copy bandwidth
+    floor_tok_per_s: float | None = None
+    pct_of_floor: float | None = None
+    error: str | None = None
+
+    @property
+    def is_compile(self) -> bool:
+        """Whether this is a row of torch.compile, the peer every ratio is taken against."""
+        return self.variant.startswith(compile_variant(""))
+
+
+def compile_variant(mode: str) -> str:
+    """The variant name of torch.compile's rows in engine ``mode``."""
+    return f"compile+{mode}"
+
+
+@dataclass
+class RecipeVerdict:
+    """The gate's per-recipe check: the fused path against the original one, both against a float64 run of the
+    original, at the worst call (the largest fused error over its bound)."""
+    recipe: str
+    tolerance: str
+    passed: bool
+    reason: str
+    calls: int = 0
+    err_fused: float = math.nan
+    err_unfused: float = math.nan
+    bound: float = math.nan
+    site: str = ""
+    seconds: float = 0.0  # running the captured calls through the three paths
+
+
+@dataclass
+class EndToEndVerdict:
+    """The gate's end-to-end check at one concurrency: teacher-forced greedy decode against the fp32 reference."""
+    concurrency: int
+    steps: int
+    passed: bool
+    rel_err: float
+    rel_err_unpatched: float
+    bound: float
+    top1: float
+    top1_unpatched: float
+    min_top1: float
+    recipes: list[str]
+    seconds: float = 0.0  # the patched model's decode and its comparison, graph capture included
+
+
+@dataclass
+class GateRecord:
+    recipes: dict[str, RecipeVerdict] = field(default_factory=dict)
+    end_to_end: list[EndToEndVerdict] = field(default_factory=list)  # of the set that was kept, the last round's
+    reference_mode: str = ""  # the engine mode the fp32 reference decoded in: the gate's, or eager where its step
+    # could not be captured
+
+
+@dataclass
+class CompiledAhead:
+    """One compile-ahead worker (optiq.compile_ahead): the engine it stepped, how it ended, and when."""
+    engine: list[int]  # batch, cache length, prompt length
+    status: str = "running"  # done, stopped (still compiling when the gate ended) or "failed: <its last error line>"
+    ready_s: float | None = None  # from its start until it was ready for the names (imports, CUDA, the model)
+    sent_s: float | None = None  # from its start until it was sent the names
+    seconds: float | None = None  # from the names until it had compiled, if it ended by itself
+
+
+@dataclass
+class Timings:
+    """Seconds of the fusion, summed over every round of the gate."""
+    patch_s: float = 0.0
+    gate_s: float = 0.0
+    gate_capture_s: float = 0.0  # recording the patched sites' inputs
+    gate_baselines_s: float = 0.0  # the decodes every end-to-end check compares with
+    gate_reference_s: float = 0.0  # the fp32 reference's part of them
+    capture_s: float | None = None  # the fused model's warm-up (its graph captures) in the measured sweep
+
+
+@dataclass
+class Proposal:
+    """A recipe ranked by the profiled time it would replace (optiq.catalog.proposals)."""
+    recipe: str
+    covered_ms_per_step: float  # an upper bound of the saving: the time the recipe covers
+    covered_pct: float
+    kernels_per_step: float
+    where: str  # the largest covered (role, class) pairs with their shares
+    why: str
+
+
+@dataclass
+class Fusion:
+    """What the fusion did: the recipes asked for and chosen, the gate's verdicts and what it cost."""
+    requested: list[str]  # ["auto"] or recipe names
+    proposals: dict[str, list[Proposal]] = field(default_factory=dict)  # per concurrency, of the unpatched profile
+    applied: list[str] = field(default_factory=list)
+    not_applicable: dict[str, str] = field(default_factory=dict)  # recipe -> why
+    rolled_back: list[str] = field(default_factory=list)
+    gate: GateRecord = field(default_factory=GateRecord)
+    timings: Timings = field(default_factory=Timings)
+    compile_ahead: list[CompiledAhead] = field(default_factory=list)  # the last round's workers
+
+
+@dataclass
+class RunRecord:
+    """A run of ``apply-fusion`` or ``bench``. ``before`` holds the rows of the model as loaded (and of its peers),
+    ``after`` those of the fused model; ``attribution_*`` the op-class tables of its profiles, per concurrency
+    (``{"summary": ..., "table": [...]}`` as ``optiq analyze --json`` writes them)."""
+    command: str  # apply-fusion or bench
+    model: str
+    dtype: str
+    mode: str  # the engine's: eager or graph
+    environment: Environment
+    workload: Workload
+    concurrency: list[int]
+    status: str = "running"  # one of STATUSES
+    bandwidth_gb_s: float | None = None  # the device's measured copy bandwidth, the floor's denominator
+    before: list[Row] = field(default_factory=list)
+    after: list[Row] = field(default_factory=list)
+    fusion: Fusion | None = None  # none for a bench without --recipes
+    attribution_before: dict[str, dict] = field(default_factory=dict)
+    attribution_after: dict[str, dict] = field(default_factory=dict)
+    schema: int = SCHEMA_VERSION
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _decode(kind: Any, value: Any, where: str) -> Any:
+    """``value`` (parsed JSON) as type ``kind``, or an OptiqError naming the field."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _decode(next(a for a in args if a is not type(None)), value, where)
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise OptiqError(f"{where}: expected an object, not {type(value).__name__}")
+        hints = typing.get_type_hints(kind)
+        known = {f.name: f for f in dataclasses.fields(kind)}
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise OptiqError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        missing = [n for n, f in known.items() if n not in value and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise OptiqError(f"{where}: missing field(s) {', '.join(missing)}")
+        return kind(**{name: _decode(hints[name], item, f"{where}.{name}") for name, item in value.items()})
+    if origin is list:
+        if not isinstance(value, list):
+            raise OptiqError(f"{where}: expected a list, not {type(value).__name__}")
+        return [_decode(args[0], item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise OptiqError(f"{where}: expected an object, not {type(value).__name__}")
+        return {key: _decode(args[1], item, f"{where}.{key}") for key, item in value.items()}
+    if kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif kind is Any or (isinstance(kind, type) and isinstance(value, kind) and not
+                         (isinstance(value, bool) and kind is int)):
+        return value
+    raise OptiqError(f"{where}: expected {getattr(kind, '__name__', kind)}, not {value!r:.60}")
+
+
+def from_json(doc: Any, where: str = "run record") -> RunRecord:
+    """A parsed record checked against the types above; a record of another schema version is refused."""
+    if not isinstance(doc, dict):
+        raise OptiqError(f"{where}: expected a JSON object")
+    if doc.get("schema") != SCHEMA_VERSION:
+        found = doc.get("schema")
+        raise OptiqError(f"{where}: schema version {found if found is not None else 'none (an older optiq)'}, this "
+                         f"optiq reads version {SCHEMA_VERSION}; run the command again to record it anew")
+    record = _decode(RunRecord, doc, where)
+    if record.status not in STATUSES:
+        raise OptiqError(f"{where}.status: expected one of {', '.join(STATUSES)}, not {record.status!r}")
+    return record
+
+
+def load(path: Path | str) -> RunRecord:
+    """A record file, checked (``from_json``); anything unreadable is a one-line user error."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OptiqError(f"cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise OptiqError(f"{path} is not valid JSON: {exc}") from None
+    return from_json(doc, str(path))

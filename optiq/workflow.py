@@ -1,0 +1,212 @@
+"""The optimize workflow that ``optiq apply-fusion`` and ``optiq bench`` share, start to end:
+
+    load -> measure before (the model, its peers) -> profile -> propose -> choose -> fuse (patch + gate, rolling
+    back what fails) -> measure after -> profile after
+
+into one run record (``optiq.record``), saved after every step. The commands differ only in what they ask for (a
+``Job``) and how they show progress (``Hooks``); neither knows the other.
+
+Kernels are compiled ahead (``optiq.compile_ahead``) by worker processes started after the "before" rows, so their
+start-up never overlaps a measured point, and while the model is profiled for the proposals.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import transformers
+
+from optiq import __version__, compile_ahead
+from optiq.catalog.proposals import choose_recipes, propose_all
+from optiq.catalog.recipes import Recipe
+from optiq.errors import OptiqError
+from optiq.gate import GatePlan, validate
+from optiq.measure.roofline import copy_bandwidth, device_name
+from optiq.measure.sweep import compiled_forward, free_memory, sweep
+from optiq.models import load_model
+from optiq.patching import Patches, apply, unpatch
+from optiq.profiling.capture import profile_step
+from optiq.record import Environment, Fusion, Row, RunRecord, Workload, compile_variant
+from optiq.traces.attribution import attribute, weighted_kernels
+
+PROFILED_STEPS = 2  # decode steps profiled per concurrency for the proposals and the report
+
+
+@dataclass
+class Job:
+    """What a run asks for."""
+    command: str  # apply-fusion or bench: the record's kind
+    model: str  # a preset or a checkpoint directory
+    dtype: torch.dtype
+    device: torch.device
+    mode: str  # the engine's: eager or graph
+    concurrencies: list[int]
+    workload: Workload
+    peers: tuple[str, ...] = ()  # measured beside the model: eager (HF's step from Python), compile (torch.compile)
+    requested: str | None = None  # recipes: "auto", names comma-separated, or None to measure only
+    catalog: dict[str, Recipe] = field(default_factory=dict)
+    recipes_dirs: tuple[str, ...] = ()  # where the catalog's user recipes came from (the compile workers load it)
+    gate_steps: int = 64
+    min_share: float = 0.25  # auto: the least share of the step (in %) a proposal must cover
+    profile: bool = False  # profile the model before and after fusing, for the report (else only for auto)
+
+
+class SweepProgress:
+    """What a sweep tells its watcher: a point starts, a point is done."""
+
+    def start(self, variant: str, concurrency: int) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+
+@dataclass
+class Hooks:
+    """How the run is shown and kept: ``save(record)`` after every step that changed it, ``status(text)`` around a
+    long step, ``sweep(label, points)`` around a throughput sweep."""
+    save: Callable[[RunRecord], None] = lambda record: None
+    status: Callable[[str], AbstractContextManager] = lambda text: nullcontext()
+    sweep: Callable[[str, int], AbstractContextManager[SweepProgress]] = lambda label, points: nullcontext(
+        SweepProgress())
+
+
+def environment(device: torch.device) -> Environment:
+    """What a benchmark number depends on besides the code: device and library versions."""
+    return Environment(device_name(device), torch.__version__, transformers.__version__, torch.version.cuda,
+                       platform.python_version(), __version__)
+
+
+def new_record(job: Job) -> RunRecord:
+    return RunRecord(job.command, job.model, str(job.dtype).removeprefix("torch."), job.mode,
+                     environment(job.device), job.workload, list(job.concurrencies),
+                     fusion=Fusion(job.requested.split(",")) if job.requested else None)
+
+
+def run(job: Job, record: RunRecord, run_dir: Path, hooks: Hooks = Hooks()) -> None:
+    """Carry out ``job`` into ``record`` (``new_record``), saving it after every step and keeping the profiles'
+    traces in ``run_dir``. On an error or an interrupt what was measured is saved already, and the record's status is
+    the caller's to set. The model is unpatched when the run ends, however it ends: function and attention-interface
+    patches are global to the process, and a later run in it must measure models as they are."""
+    with hooks.status(f"loading {job.model}"):
+        model = load_model(job.model, job.dtype, job.device)
+    bandwidth = copy_bandwidth(job.device)
+    record.bandwidth_gb_s = bandwidth / 1e9
+    hooks.save(record)
+    variants = [("eager", "eager", None)] if "eager" in job.peers and job.mode != "eager" else []
+    variants.append((job.mode, job.mode, None))
+    if "compile" in job.peers:
+        variants.append((compile_variant(job.mode), job.mode, compiled_forward(model)))
+    _measure(job, model, variants, bandwidth, record.before, record, hooks, job.model)
+    if job.requested:
+        try:
+            _fuse_and_measure(job, model, bandwidth, record, run_dir, hooks)
+        finally:
+            unpatch(model)
+    if record.status == "running":
+        record.status = "complete"
+
+
+def _fuse_and_measure(job: Job, model, bandwidth: float, record: RunRecord, run_dir: Path, hooks: Hooks) -> None:
+    """Profile (for the proposals, and the report), choose, fuse and gate, then measure and profile the fused
+    model; status "rejected" when the gate kept none of the recipes."""
+    plan = GatePlan.for_workload(job.concurrencies, job.gate_steps, job.workload.prompt_len, job.workload.max_len,
+                                 job.mode)
+    source = compile_ahead.Source(job.model, record.dtype, job.recipes_dirs, job.workload.prompt_len,
+                                  job.workload.max_len)
+    with compile_ahead.workers(job.device, source, plan) as ahead:
+        kernels = {}
+        if job.profile or job.requested == "auto":
+            kernels = _profile(job, model, "before", record.attribution_before, record, run_dir, hooks)
+        found = propose_all(job.catalog, kernels, model.config.model_type)
+        record.fusion.proposals = {str(c): ps for c, ps in found.items()}
+        names = choose_recipes(job.requested, job.catalog, found, job.min_share)
+        if not names:
+            raise OptiqError(f"no recipe to apply: no proposal covers {job.min_share}% of the step")
+        rechoose = None
+        if job.requested == "auto":
+            def rechoose(rejected: list[str]) -> list[str]:
+                again = propose_all(job.catalog, kernels, model.config.model_type, rejected)
+                return choose_recipes(job.requested, job.catalog, again, job.min_share)
+        patches = fuse(model, job.catalog, names, record, plan, hooks, rechoose, ahead)
+    if not patches.applied:
+        record.status = "rejected"
+        return
+    _measure(job, model, [(f"optiq+{job.mode}", job.mode, None)], bandwidth, record.after, record, hooks,
+             f"{job.model} optiq")
+    record.fusion.timings.capture_s = sum(r.warmup_s or 0.0 for r in record.after)
+    hooks.save(record)
+    if job.profile:
+        _profile(job, model, "after", record.attribution_after, record, run_dir, hooks)
+
+
+def _measure(job: Job, model, variants, bandwidth: float, rows: list[Row], record: RunRecord, hooks: Hooks,
+             label: str) -> None:
+    """A throughput sweep of ``variants`` into ``rows``, the record saved after every point."""
+    with hooks.sweep(label, len(variants) * len(job.concurrencies)) as progress:
+        def on_row(row: Row) -> None:
+            rows.append(row)
+            hooks.save(record)
+            progress.done()
+
+        sweep(model, job.concurrencies, job.workload, variants, bandwidth, on_row=on_row, on_start=progress.start)
+
+
+def _profile(job: Job, model, state: str, attribution: dict, record: RunRecord, run_dir: Path,
+             hooks: Hooks) -> dict:
+    """The model profiled at every concurrency: its op-class tables into ``attribution``, and the per-step weighted
+    kernel tables the proposals are made from."""
+    kernels = {}
+    for batch in job.concurrencies:
+        with hooks.status(f"profiling {job.model} C={batch} ({state})"):
+            trace = profile_step(model, batch, job.workload.prompt_len, job.workload.max_len, job.mode,
+                                 run_dir, PROFILED_STEPS, f"{state}_")
+        table = attribute([trace], "class")
+        attribution[str(batch)] = {"summary": table.summary, "table": table.table.to_dict(orient="records")}
+        kernels[batch] = weighted_kernels([trace])
+        hooks.save(record)
+        free_memory()
+    return kernels
+
+
+def fuse(model: torch.nn.Module, catalog: dict[str, Recipe], names: list[str], record: RunRecord, plan: GatePlan,
+         hooks: Hooks = Hooks(), rechoose: Callable[[list[str]], list[str]] | None = None,
+         ahead: compile_ahead.Workers | None = None) -> Patches:
+    """Patch ``model`` with recipes ``names`` and gate them; ``record.fusion`` adds up every round's timings and
+    verdicts, saved after each. After a round that rolled something back, ``rechoose(rolled_back)`` may name a new
+    set to try (auto: a rival the rolled-back recipe had kept out). With ``ahead``, worker processes compile the
+    recipes' kernels while the gate runs."""
+    fusion, timings = record.fusion, record.fusion.timings
+    while True:
+        with ahead.compiling(names) if ahead else nullcontext([]) as compiling:  # from the start: patching too
+            started = time.perf_counter()
+            patches = apply(model, [catalog[n] for n in names])
+            timings.patch_s += time.perf_counter() - started
+            fusion.not_applicable.update(patches.not_applicable)
+            started = time.perf_counter()
+            with hooks.status(f"validating {', '.join(patches.applied)}"):
+                verdict = validate(patches, plan)
+            timings.gate_s += time.perf_counter() - started
+        fusion.compile_ahead = list(compiling)
+        timings.gate_capture_s += verdict.capture_seconds
+        timings.gate_baselines_s += verdict.baseline_seconds
+        timings.gate_reference_s += verdict.reference_seconds
+        fusion.gate.recipes.update(verdict.recipes)
+        fusion.gate.end_to_end = list(verdict.end_to_end)
+        fusion.gate.reference_mode = verdict.reference_mode
+        fusion.rolled_back += verdict.rolled_back
+        fusion.applied = list(patches.applied)
+        hooks.save(record)
+        if not verdict.rolled_back or rechoose is None:
+            return patches
+        again = rechoose(fusion.rolled_back)
+        if not set(again) - set(names):
+            return patches
+        unpatch(model)
+        names = again
