@@ -21,6 +21,7 @@ from optiq.errors import OptiqError
 
 SCHEMA_VERSION = 1
 STATUSES = ("running", "complete", "rejected", "incomplete", "failed")
+RECORD_FILES = {"apply-fusion": "report.json", "bench": "results.json"}  # the file each command keeps it in
 
 
 @dataclass

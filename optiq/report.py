@@ -20,7 +20,6 @@ from optiq.errors import OptiqError
 from optiq.record import CompiledAhead, Fusion, Row, RunRecord
 from optiq.rundir import write_atomic
 
-RECORD_FILES = ("report.json", "results.json")  # apply-fusion's, bench's
 STACK_CLASSES = 8  # op classes drawn in the stacked bars; the rest are summed as REST
 REST = "the rest"  # not "other", which is an op class of its own
 
@@ -74,10 +73,10 @@ def load_report(run_dir: Path | str) -> RunRecord:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise OptiqError(f"{run_dir} is not a directory")
-    path = next((run_dir / name for name in RECORD_FILES if (run_dir / name).is_file()), None)
+    names = record.RECORD_FILES.values()
+    path = next((run_dir / name for name in names if (run_dir / name).is_file()), None)
     if path is None:
-        raise OptiqError(f"{run_dir} has no {' or '.join(RECORD_FILES)} (is it an apply-fusion or bench run "
-                         f"directory?)")
+        raise OptiqError(f"{run_dir} has no {' or '.join(names)} (is it an apply-fusion or bench run directory?)")
     return record.load(path)
 
 

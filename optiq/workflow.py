@@ -12,7 +12,6 @@ start-up never overlaps a measured point, and while the model is profiled for th
 
 from __future__ import annotations
 
-import platform
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -20,19 +19,19 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import transformers
 
-from optiq import __version__, compile_ahead
+from optiq import compile_ahead
 from optiq.catalog.proposals import choose_recipes, propose_all
 from optiq.catalog.recipes import Recipe
 from optiq.errors import OptiqError
 from optiq.gate import GatePlan, validate
-from optiq.measure.roofline import copy_bandwidth, device_name
+from optiq.measure import environment
+from optiq.measure.roofline import copy_bandwidth
 from optiq.measure.sweep import compiled_forward, free_memory, sweep
 from optiq.models import load_model
 from optiq.patching import Patches, apply, unpatch
 from optiq.profiling.capture import profile_step
-from optiq.record import Environment, Fusion, Row, RunRecord, Workload, compile_variant
+from optiq.record import Fusion, Row, RunRecord, Workload, compile_variant
 from optiq.traces.attribution import attribute, weighted_kernels
 
 PROFILED_STEPS = 2  # decode steps profiled per concurrency for the proposals and the report
@@ -75,12 +74,6 @@ class Hooks:
     status: Callable[[str], AbstractContextManager] = lambda text: nullcontext()
     sweep: Callable[[str, int], AbstractContextManager[SweepProgress]] = lambda label, points: nullcontext(
         SweepProgress())
-
-
-def environment(device: torch.device) -> Environment:
-    """What a benchmark number depends on besides the code: device and library versions."""
-    return Environment(device_name(device), torch.__version__, transformers.__version__, torch.version.cuda,
-                       platform.python_version(), __version__)
 
 
 def new_record(job: Job) -> RunRecord:

@@ -162,10 +162,6 @@ def console_hooks(save):
     return Hooks(save=save, status=err.status, sweep=_sweep_bar)
 
 
-# The file each command keeps its run record in (optiq.record), beside the rows as CSV for bench.
-RECORD_FILES = {"apply-fusion": "report.json", "bench": "results.json"}
-
-
 def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_len, new_tokens, max_len, repeats,
             peers, requested, recipes_dirs, gate_steps, min_share, runs_dir, profile: bool):
     """What ``apply-fusion`` and ``bench`` share around the workflow: the flags checked before any work, a run
@@ -176,7 +172,7 @@ def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_l
     from optiq.catalog.recipes import load_catalog
     from optiq.measure.sweep import check_workload
     from optiq.models import default_dtype, default_preset, resolve_dtype
-    from optiq.record import Workload
+    from optiq.record import RECORD_FILES, Workload
     from optiq.rundir import RunDir, write_csv, write_json
     from optiq.workflow import Job, new_record, run
 

@@ -36,13 +36,13 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
     from optiq.catalog.proposals import propose
     from optiq.catalog.recipes import load_catalog
     from optiq.commands.views import attribution_view, proposals_records, proposals_table
+    from optiq.measure import environment
     from optiq.measure.sweep import check_workload, free_memory
     from optiq.models import default_dtype, default_preset, load_model, resolve_dtype
     from optiq.profiling.capture import profile_step
     from optiq.record import Workload
     from optiq.rundir import RunDir, write_csv, write_json
     from optiq.traces.attribution import attribute, attribution_document, weighted_kernels
-    from optiq.workflow import environment
 
     concurrency, prompt_len, max_len = workload_defaults(device, "1,64", concurrency=concurrency,
                                                          prompt_len=prompt_len, max_len=max_len)

@@ -4,12 +4,15 @@ records for ``--json``."""
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from optiq import report
 from optiq.record import Proposal, Row, RunRecord
-from optiq.traces.attribution import Attribution
+
+if TYPE_CHECKING:
+    from optiq.traces.attribution import Attribution
 
 
 def methods_line(attribution: Attribution) -> str:
