@@ -3,6 +3,12 @@
 Presets never download anything: each is a transformers config whose shapes match the named model's published config
 (layers, heads, KV heads, head dim, intermediate size, vocabulary, RoPE), with weights drawn from a fixed seed. Decode
 speed depends on shapes, not on weight values, so a preset measures what the real model would.
+
+Correctness does depend on the values: transformers initialises norm weights to ones and biases to zeros, and on such
+parameters a kernel that forgets the weight or the bias computes the same function, so the validation gate could not
+tell. A preset therefore draws every parameter that initialisation leaves constant anew around its constant
+(``redraw_constants``): ``c * (1 + CONSTANT_SPREAD * N(0, 1))`` for a nonzero ``c`` (norm weights around 1), ``ZERO_SPREAD
+* N(0, 1)`` for zero (biases around 0), from the same seed; no element is left at the constant.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
           "fp32": torch.float32, "float32": torch.float32}
 
 SEED = 0
+CONSTANT_SPREAD = 0.1  # relative spread of a redrawn nonzero constant: norm weights in about 0.7..1.3
+ZERO_SPREAD = 0.02  # absolute spread of a redrawn zero, as transformers' initializer_range draws weights
 
 
 def default_device() -> torch.device:
@@ -106,11 +114,35 @@ def load_config(spec: str):
     raise OptiqError(f"unknown model '{spec}': not a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
 
 
+def constant_parameters(model: torch.nn.Module) -> list[str]:
+    """The names of the parameters whose elements are all one value (initialisation's ones and zeros)."""
+    return [name for name, param in model.named_parameters() if bool((param == param.flatten()[0]).all())]
+
+
+@torch.no_grad()
+def redraw_constants(model: torch.nn.Module, seed: int = SEED) -> list[str]:
+    """Draw every constant parameter anew around its constant (module docstring), on the parameter's device and in
+    its dtype, from ``seed``; returns their names."""
+    generator = torch.Generator().manual_seed(seed)
+    names = constant_parameters(model)
+    params = dict(model.named_parameters())
+    for name in names:
+        param = params[name]
+        constant = param.flatten()[0].item()
+        noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+        drawn = constant * (1 + CONSTANT_SPREAD * noise) if constant else ZERO_SPREAD * noise
+        param.copy_(drawn.to(param.dtype))
+    return names
+
+
 def random_model(config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The model of ``config`` in eval mode on ``device``, with weights drawn from the fixed seed."""
+    """The model of ``config`` in eval mode on ``device``, with weights drawn from the fixed seed and none left
+    constant (``redraw_constants``)."""
     torch.manual_seed(SEED)
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    redraw_constants(model)
+    return model
 
 
 def load_model(spec: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

@@ -89,6 +89,7 @@ class RecipeVerdict:
     bound: float = math.nan
     site: str = ""
     seconds: float = 0.0  # running the captured calls through the three paths
+    margin: float = math.nan  # err_fused / err_unfused at that call: how close to its bound a passing path came
 
 
 @dataclass
@@ -113,6 +114,9 @@ class GateRecord:
     end_to_end: list[EndToEndVerdict] = field(default_factory=list)  # of the set that was kept, the last round's
     reference_mode: str = ""  # the engine mode the fp32 reference decoded in: the gate's, or eager where its step
     # could not be captured
+    constant_parameters: list[str] = field(default_factory=list)  # the model's parameters whose elements were all
+    # one value when it was gated (a checkpoint's all-ones norm weights, zero biases): a kernel that ignores such a
+    # parameter computes the same function there, so the gate cannot see it; presets have none
 
 
 @dataclass

@@ -233,13 +233,13 @@ def gate_table(run: RunRecord) -> Table:
                   else "not applicable" if recipe in fusion.not_applicable else "not applied")
         g = gate.get(recipe)
         if g is None:
-            rows.append([recipe, status, "", *["—"] * 5, fusion.not_applicable.get(recipe, "")])
+            rows.append([recipe, status, "", *["—"] * 6, fusion.not_applicable.get(recipe, "")])
             continue
         rows.append([recipe, status, g.tolerance, _fmt(g.calls, "d"), _fmt(g.err_fused, ".2e"),
-                     _fmt(g.err_unfused, ".2e"), _fmt(g.bound, ".2e"), _fmt(g.seconds, ".1f"),
+                     _fmt(g.err_unfused, ".2e"), _fmt(g.margin, ".2f"), _fmt(g.bound, ".2e"), _fmt(g.seconds, ".1f"),
                      g.reason or fusion.not_applicable.get(recipe, "")])
     return Table("Validation gate: per recipe", ["recipe", "status", "tolerance", "calls", "err fused",
-                                                 "err unfused", "bound", "s", "reason"], rows,
+                                                 "err unfused", "fused / unfused", "bound", "s", "reason"], rows,
                  "err = relative error against a float64 run of the unfused path, at the worst call")
 
 
@@ -338,6 +338,11 @@ def report_document(run: RunRecord) -> Document:
     if run.fusion is not None:
         facts.append(("timings", ", ".join(f"{k.removesuffix('_s')} {_fmt(v, '.1f', ' s')}"
                                            for k, v in asdict(fusion.timings).items())))
+    if fusion.gate.constant_parameters:
+        names = fusion.gate.constant_parameters
+        facts.append(("gated on constant parameters", f"{len(names)} of the model's parameters were one value "
+                      f"throughout ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): a kernel that ignores "
+                      "them computes the same function there, and the gate could not see it"))
     if fusion.compile_ahead:
         facts.append(("kernels compiled ahead", "; ".join(map(_compiled_ahead, fusion.compile_ahead))))
     if (waits := time_to_optimized(run)) is not None:

@@ -193,6 +193,7 @@ def fuse(model: torch.nn.Module, catalog: dict[str, Recipe], names: list[str], r
         fusion.gate.recipes.update(verdict.recipes)
         fusion.gate.end_to_end = list(verdict.end_to_end)
         fusion.gate.reference_mode = verdict.reference_mode
+        fusion.gate.constant_parameters = verdict.constant_parameters
         fusion.rolled_back += verdict.rolled_back
         fusion.applied = list(patches.applied)
         hooks.save(record)

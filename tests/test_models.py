@@ -34,6 +34,20 @@ def test_deepseek_v2_lite_preset_has_the_model_cards_size():
     assert len(model.model.layers[1].mlp.experts.gate_up_proj) == 64
 
 
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v2"])
+def test_no_preset_parameter_is_left_constant(preset):
+    """Norm weights are drawn around 1 and biases around 0, never at the constant initialisation leaves them at, so a
+    kernel that forgets either computes another function; the draw is the same every time."""
+    from optiq.models import CONSTANT_SPREAD, constant_parameters
+
+    model = load_model(preset, torch.float32, torch.device("cpu"))
+    assert constant_parameters(model) == []
+    norm = model.model.norm.weight
+    assert (norm != 1).all() and abs(norm.mean().item() - 1) < CONSTANT_SPREAD and norm.std() > CONSTANT_SPREAD / 2
+    again = load_model(preset, torch.float32, torch.device("cpu"))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+
+
 def test_preset_attention_shapes():
     llama = load_config("llama-3.1-8b")
     assert (llama.num_attention_heads, llama.num_key_value_heads, llama.head_dim) == (32, 8, 128)

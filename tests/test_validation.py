@@ -43,6 +43,8 @@ def test_default_path_decodes_64_steps():
 
 @pytest.mark.parametrize("base, fusion, why", [
     ("rmsnorm", "wrong_kernels:norm_without_eps", "error"),
+    ("rmsnorm", "wrong_kernels:norm_without_weight", "error"),  # passed while presets' norm weights were all ones
+    ("rmsnorm", "wrong_kernels:norm_weight_on_half", "error"),
     ("rmsnorm", "wrong_kernels:stale_rmsnorm", "on its second run"),
     ("rope", "wrong_kernels:rope_wrong_way", "error"),
     ("decode_attention", "wrong_kernels:attention_drops_last", "error"),
@@ -59,6 +61,41 @@ def test_wrong_kernels_are_rolled_back_and_others_stay(tmp_path, base, fusion, w
     assert report.recipes["greedy_sample"].passed and all(e.passed for e in report.end_to_end)
     assert model.config._attn_implementation == "sdpa"
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_a_model_gated_on_constant_parameters_names_them():
+    """A checkpoint's norm weights may be all ones (transformers' initialisation): the gate says so, as a kernel that
+    forgot them would pass there."""
+    from transformers import AutoModelForCausalLM
+
+    from optiq.models import load_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(load_config("tiny-llama")).eval()  # as initialised: no redraw
+    patches = apply(model, [load_catalog()["rmsnorm"]])
+    report = validate(patches, GatePlan(**FAST))
+    assert report.passed and "model.norm.weight" in report.constant_parameters
+    assert "model.layers.0.input_layernorm.weight" in report.constant_parameters
+    unpatch(model)
+
+
+def test_a_linear_kernel_that_forgets_the_bias_is_rolled_back(tmp_path):
+    """Biases start at zero in transformers' initialisation; drawn anew, a kernel that drops them is seen."""
+    from transformers import LlamaConfig
+
+    from optiq.models import random_model
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=256, attention_bias=True, mlp_bias=True)
+    model = random_model(config, torch.float32, torch.device("cpu"))
+    assert model.model.layers[0].self_attn.o_proj.bias.abs().min() > 0
+    patches = apply(model, [load_catalog()["decode_linear"]])
+    report = validate(patches, GatePlan(**FAST))
+    assert report.passed and report.recipes["decode_linear"].calls > 0, report
+    unpatch(model)
+    patches = apply(model, [user_recipe(tmp_path, "decode_linear", "wrong", fusion="wrong_kernels:linear_without_bias")])
+    report = validate(patches, GatePlan(**FAST))
+    assert report.rolled_back == ["wrong"] and "error" in report.recipes["wrong"].reason, report
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3-moe"])
@@ -83,6 +120,7 @@ def test_bf16_model_is_gated_against_itself_computing_in_fp32():
     assert report.passed, report
     (check,) = report.end_to_end
     assert 0 < check.rel_err_unpatched < 0.05 and check.rel_err <= check.bound
+    assert 0 < report.recipes["rmsnorm"].margin < float("inf") and report.constant_parameters == []
     assert 0 < report.reference_seconds < report.baseline_seconds and report.reference_mode == "eager"
 
 

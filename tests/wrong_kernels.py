@@ -38,6 +38,23 @@ def norm_without_eps(x, weight, eps, offset=False, out=None):
     return rmsnorm_reference(x, weight, 0.0, offset)
 
 
+def norm_without_weight(x, weight, eps, offset=False, out=None):
+    """RMSNorm that forgot the learned weight: the same function wherever the weights are all ones."""
+    return rmsnorm_reference(x, torch.zeros_like(weight) if offset else torch.ones_like(weight), eps, offset)
+
+
+def norm_weight_on_half(x, weight, eps, offset=False, out=None):
+    """RMSNorm that applies the weight to the first half of the hidden size only (ones on the rest)."""
+    half = weight.clone()
+    half[weight.shape[-1] // 2:] = 0.0 if offset else 1.0
+    return rmsnorm_reference(x, half, eps, offset)
+
+
+def linear_without_bias(x, weight, bias=None):
+    """A linear layer that forgot its bias: the same function wherever the biases are all zeros."""
+    return x @ weight.T
+
+
 def stale_rmsnorm(x, weight, eps, offset=False, out=None):
     """RMSNorm into an accumulator that is never zeroed: right on its first call, then each call adds the last."""
     acc = _accumulators.setdefault((tuple(x.shape), x.dtype), torch.zeros_like(x))

@@ -23,6 +23,7 @@ from optiq.gate.capture import capture_inputs
 from optiq.gate.end_to_end import baselines, check_end_to_end
 from optiq.gate.per_recipe import check_recipe
 from optiq.gate.plan import GatePlan
+from optiq.models import constant_parameters
 from optiq.patching import Patches
 from optiq.record import EndToEndVerdict, RecipeVerdict
 
@@ -40,6 +41,7 @@ class Validation:
     # model (0 for an fp32 model, whose reference is its unpatched decode)
     reference_mode: str = ""  # the engine mode that reference decoded in: the plan's, or eager where a step of it
     # could not be captured
+    constant_parameters: list[str] = field(default_factory=list)  # the model's parameters of one value throughout
 
     @property
     def passed(self) -> bool:
@@ -49,7 +51,7 @@ class Validation:
 def validate(patches: Patches, plan: GatePlan = GatePlan()) -> Validation:
     """Gate every applied recipe, undo those that fail, then check the survivors end to end; a recipe that fails end
     to end on its own is undone too, and if the set still fails only together, all of it is."""
-    report = Validation()
+    report = Validation(constant_parameters=constant_parameters(patches.model))
     if not patches.applied:
         return report
     started = time.perf_counter()

@@ -5,6 +5,8 @@ accumulator) shows on its second call even at a single site."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from optiq.gate.capture import fresh, tensors
@@ -47,6 +49,7 @@ def check_recipe(patches: Patches, name: str, sites: list[tuple[Site, list]]) ->
                         worst = excess if ok else float("inf")
                         result.err_fused, result.err_unfused, result.bound, result.site = (err_fused, err_unfused,
                                                                                            bound, site.label)
+                        result.margin = err_fused / err_unfused if err_unfused else math.nan
                     if not ok:
                         result.passed = False
                         rule = ("not bit-identical to the unfused path" if tolerance == "exact" else
