@@ -63,8 +63,8 @@ def one_layer_of_each_kind(config):
 
 def engines(plan: GatePlan, prompt_len: int, max_len: int) -> list[tuple[int, int, int]]:
     """The (batch, cache length, prompt length) of every engine the fused model will first run in, in the order it
-    does: the gate's (``plan``), then the measured workload's."""
-    return [*plan.engines(), *((c, max_len, prompt_len) for c in plan.concurrencies)]
+    does, each once: the gate's (``plan``), then the measured workload's."""
+    return list(dict.fromkeys([*plan.engines(), *((c, max_len, prompt_len) for c in plan.concurrencies)]))
 
 
 def one_layer_model(source: dict) -> tuple[torch.nn.Module, dict]:

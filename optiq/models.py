@@ -13,6 +13,7 @@ tell. A preset therefore draws every parameter that initialisation leaves consta
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -133,6 +134,20 @@ def redraw_constants(model: torch.nn.Module, seed: int = SEED) -> list[str]:
         drawn = constant * (1 + CONSTANT_SPREAD * noise) if constant else ZERO_SPREAD * noise
         param.copy_(drawn.to(param.dtype))
     return names
+
+
+@contextmanager
+def constants_redrawn(model: torch.nn.Module, seed: int = SEED):
+    """The model with its constant parameters redrawn (``redraw_constants``) for the block, then put back."""
+    params = dict(model.named_parameters())
+    kept = {name: params[name].detach().clone() for name in constant_parameters(model)}
+    redraw_constants(model, seed)
+    try:
+        yield list(kept)
+    finally:
+        with torch.no_grad():
+            for name, value in kept.items():
+                params[name].copy_(value)
 
 
 def random_model(config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

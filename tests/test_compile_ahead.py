@@ -11,7 +11,7 @@ from optiq import compile_ahead
 from optiq.gate import GatePlan
 from optiq.models import load_config
 
-GATE = GatePlan((1, 16, 64), steps=64, prompt_len=512, mode="graph")
+GATE = GatePlan.for_workload((1, 16, 64), steps=64, prompt_len=512, max_len=1024, mode="graph")
 
 
 @pytest.mark.parametrize("preset, layers", [("qwen3-0.6b", 1), ("llama-3.1-8b", 1), ("qwen3-30b-a3b", 1),
@@ -27,9 +27,10 @@ def test_one_layer_of_each_kind_keeps_the_shapes_and_cuts_per_layer_lists(preset
 
 
 def test_each_engine_the_fused_model_meets_gets_a_worker_in_the_order_it_meets_them():
+    # The capture steps at the workload's longest context first (the measured workload's engines, listed once),
+    # then the teacher-forced decodes.
     assert compile_ahead.engines(GATE, prompt_len=512, max_len=1024) == [
-        (64, 514, 512), (1, 577, 512), (16, 577, 512), (64, 577, 512), (1, 1024, 512), (16, 1024, 512),
-        (64, 1024, 512)]
+        (1, 1024, 512), (16, 1024, 512), (64, 1024, 512), (1, 577, 512), (16, 577, 512), (64, 577, 512)]
 
 
 def test_no_workers_off_cuda_or_when_turned_off(monkeypatch):
@@ -42,7 +43,7 @@ def test_no_workers_off_cuda_or_when_turned_off(monkeypatch):
 
 
 DTYPE = "bf16" if torch.cuda.is_available() else "fp32"
-SMALL_GATE = GatePlan((2,), steps=4, prompt_len=8)  # three engines, three workers
+SMALL_GATE = GatePlan((2,), steps=4, prompt_len=8)  # the gate's one engine and the workload's: two workers
 
 
 def _workers():
@@ -64,8 +65,7 @@ def waited_for(monkeypatch):
 def test_workers_run_the_patched_one_layer_model_or_say_why_they_failed(waited_for):
     workers = _workers()
     done = _compile(workers, ["rmsnorm", "decode_attention"])
-    assert [c.status for c in done] == ["done"] * 3 and [c.engine for c in done] == [[2, 10, 8], [2, 13, 8],
-                                                                                      [2, 24, 8]]
+    assert [c.status for c in done] == ["done"] * 2 and [c.engine for c in done] == [[2, 13, 8], [2, 24, 8]]
     assert all(c.ready_s > 0 and c.seconds > 0 for c in done)
     failed = _compile(workers, ["no_such_recipe"])  # a second round: new workers
     assert all(c.status.startswith("failed: KeyError") and "no_such_recipe" in c.status for c in failed)
@@ -75,7 +75,7 @@ def test_workers_run_the_patched_one_layer_model_or_say_why_they_failed(waited_f
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the interpreter compiles nothing")
 def test_workers_leave_the_kernels_in_tritons_disk_cache(tmp_path, monkeypatch, waited_for):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    assert [c.status for c in _compile(_workers(), ["rmsnorm"])] == ["done"] * 3
+    assert [c.status for c in _compile(_workers(), ["rmsnorm"])] == ["done"] * 2
     assert any(p.name == "_rmsnorm_kernel.json" for p in Path(tmp_path).rglob("*.json"))
 
 
@@ -83,7 +83,7 @@ def test_workers_still_compiling_when_the_gate_ends_are_stopped_and_unused_ones_
     workers = _workers()
     processes = [w.process for w in workers.waiting]
     stopped = _compile(workers, ["rmsnorm"])
-    assert [c.status for c in stopped] == ["stopped"] * 3 and all(c.seconds is None for c in stopped)
+    assert [c.status for c in stopped] == ["stopped"] * 2 and all(c.seconds is None for c in stopped)
     assert all(p.returncode is not None for p in processes)
     unused = _workers()
     processes = [w.process for w in unused.waiting]

@@ -14,21 +14,36 @@ from optiq.patching import Patches
 from optiq.patching.changes import Site
 
 
-def _copy_cache(cache: Cache, dtype: torch.dtype | None) -> Cache:
+def _copy_cache(cache: Cache, dtype: torch.dtype | None, scale: float | None = None) -> Cache:
     """A copy of a KV cache that owns its small state (the fill counters, which each call advances) and shares the
-    keys and values, converted to ``dtype`` if given. Sharing is safe because a decode call writes its own token's
-    position before it reads it, and a copy per call of every layer's keys and values would not fit (each decoder
-    layer's call would hold the whole cache)."""
+    keys and values, converted to ``dtype`` or scaled by ``scale`` if given. Sharing is safe because a decode call
+    writes its own token's position before it reads it, and a copy per call of every layer's keys and values would
+    not fit (each decoder layer's call would hold the whole cache)."""
     copied = copy.copy(cache)
     copied.layers = []
     for layer in cache.layers:
         mine = copy.copy(layer)
         for name, value in vars(layer).items():
             if isinstance(value, torch.Tensor):
-                shared = name in ("keys", "values")
-                setattr(mine, name, value.clone() if not shared else value if dtype is None else value.to(dtype))
+                if name not in ("keys", "values"):
+                    value = value.clone()
+                elif scale is not None:
+                    value = value * scale
+                elif dtype is not None:
+                    value = value.to(dtype)
+                setattr(mine, name, value)
         copied.layers.append(mine)
     return copied
+
+
+def scaled(value: Any, factor: float) -> Any:
+    """A captured activation times ``factor``: a floating tensor, or a cache (its keys and values copied); anything
+    else as it is."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value * factor
+    if isinstance(value, Cache):
+        return _copy_cache(value, None, factor)
+    return value
 
 
 def fresh(value: Any, dtype: torch.dtype | None = None) -> Any:
@@ -62,13 +77,28 @@ def prompt(model: torch.nn.Module, batch: int, length: int, seed: int) -> torch.
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def capture_inputs(patches: Patches, plan: GatePlan) -> dict[str, list[tuple[Site, list]]]:
-    """Inputs of every site of every applied recipe during one decode step of the unpatched model, at the largest
-    concurrency: {recipe: [(site, [(args, kwargs) per call])]}."""
-    model, batch = patches.model, max(plan.concurrencies)
+def _tile_cache(engine: DecodeEngine, prompt_len: int, length: int) -> None:
+    """Fill cache positions [prompt_len, length) of every layer with copies of the prompt's own keys and values, so
+    a step at ``length`` attends over a full-length context of real ones (a prefill that long would cost a long
+    prompt's forward per concurrency)."""
+    for layer in engine.cache.layers:
+        for cached in (layer.keys, layer.values):
+            end = min(length, cached.shape[2])  # a sliding-window layer holds its window only
+            for start in range(prompt_len, end, prompt_len):
+                width = min(prompt_len, end - start)
+                cached[:, :, start:start + width].copy_(cached[:, :, :width])
+    engine.seek(length)
+
+
+def capture_inputs(patches: Patches, plan: GatePlan, batch: int, context: int) -> dict[str, list[tuple[Site, list]]]:
+    """Inputs of every site of every applied recipe during one decode step of the unpatched model at ``batch``
+    sequences, the step's token at position ``context - 1`` of a cache of the plan's longest context: {recipe:
+    [(site, [(args, kwargs) per call])]}."""
+    model = patches.model
     with patches.suspended():
         engine = DecodeEngine(model, batch, plan.capture_cache_len)
         engine.prefill(prompt(model, batch, plan.prompt_len, plan.seed))
+        _tile_cache(engine, plan.prompt_len, context - 1)
         captured, changes = {}, []
         for name, applied in patches.applied.items():
             captured[name] = [(site, []) for site in applied.sites]

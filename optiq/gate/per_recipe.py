@@ -1,61 +1,141 @@
 """The per-recipe check: at the model's shapes, each patched site's original and fused paths run on the inputs
 ``capture`` recorded, both measured against the float64 run of the original (``rules`` says how close is close).
+
 The fused path runs twice in a row, so a kernel that carries state from one call into the next (a stale
-accumulator) shows on its second call even at a single site."""
+accumulator) shows on its second call even at a single site. With ``scaled``, every call whose outputs are all
+floating runs a second time with its first input scaled by ``SMALL_SCALE``: activations that small reach the regime
+where a norm's eps is a good part of its result (a forgotten eps changes a result by ~eps / mean(x^2), a millionth
+at the model's own activations, below one bf16 rounding). A power of two scales exactly, so the scaled input is
+as representable as the captured one. Sites with integer outputs (routers, samplers) are left out: scaling their
+inputs would not change which ids are picked, only create near-ties."""
 
 from __future__ import annotations
 
 import math
+from contextlib import closing
+from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-from optiq.gate.capture import fresh, tensors
+from transformers import Cache
+
+from optiq.gate.capture import fresh, scaled, tensors
 from optiq.gate.references.float64 import float64_path
 from optiq.gate.rules import GATE, error, site_bound
 from optiq.patching import Patches
 from optiq.patching.changes import Site
 from optiq.record import RecipeVerdict
 
+SMALL_SCALE = 2.0 ** -10
 
-def check_recipe(patches: Patches, name: str, sites: list[tuple[Site, list]]) -> RecipeVerdict:
+
+@dataclass
+class CallErrors:
+    """One call's errors against the float64 reference."""
+    label: str  # where: the site, and which variant of its captured call
+    err_unfused: float
+    err_runs: list[float]  # of the fused path's runs, in order
+    bound: float
+    exact_match: bool  # every fused run bitwise equal to the unfused path (for ``exact``)
+    raised: str = ""  # what the fused path raised, if it did
+
+    @property
+    def err_fused(self) -> float:
+        return max(self.err_runs)
+
+
+def _scaled(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The call with its activations times SMALL_SCALE: its first floating tensor argument (positional, else
+    ``hidden_states``) and its KV cache, whose values feed the attention output a decoder layer adds to its residual
+    (position embeddings and masks stay as they are); None if it has no floating tensor argument."""
+    first = next((i for i, v in enumerate(args) if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+    if first is None and not (isinstance(kwargs.get("hidden_states"), torch.Tensor)
+                              and kwargs["hidden_states"].is_floating_point()):
+        return None
+    args = tuple(scaled(v, SMALL_SCALE) if i == first or isinstance(v, Cache) else v for i, v in enumerate(args))
+    kwargs = {k: scaled(v, SMALL_SCALE) if (k == "hidden_states" and first is None) or isinstance(v, Cache) else v
+              for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], where: str = "",
+                scaled: bool = False) -> Iterator[CallErrors]:
+    """Every captured call of recipe ``name``'s sites (and its scaled variant, with ``scaled``) through the three
+    paths, with the patches suspended."""
     applied = patches.applied[name]
-    kind, tolerance, dtype = applied.kind, applied.recipe.tolerance, next(patches.model.parameters()).dtype
-    result = RecipeVerdict(name, tolerance, True, "passed")
-    worst = -float("inf")
+    kind, tolerance = applied.kind, applied.recipe.tolerance
     with patches.suspended():
         for site, calls in sites:
             original, fused = kind.call(site.original), kind.call(site.replacement)
             with float64_path(site.original) as exact:
                 reference = kind.call(exact)
-                for args, kwargs in calls:
-                    result.calls += 1
+
+                def run(label: str, args: tuple, kwargs: dict) -> tuple[CallErrors, list[torch.Tensor]]:
                     want = tensors(reference(*fresh(args, torch.float64), **fresh(kwargs, torch.float64)))
                     unfused = tensors(original(*fresh(args), **fresh(kwargs)))
                     try:
                         runs = [tensors(fused(*fresh(args), **fresh(kwargs))) for _ in range(2)]
                     except Exception as exc:  # a user's kernel may fail in any way; the recipe fails, the run goes on
-                        return RecipeVerdict(name, tolerance, False, f"{site.label}: the fused path raised "
-                                             f"{type(exc).__name__}: {exc}", result.calls, site=site.label)
+                        return CallErrors(label, math.nan, [math.inf], 0.0, False, f"{type(exc).__name__}: {exc}"), want
                     err_unfused = error(unfused, want)
-                    err_fused = max(error(run, want) for run in runs)
-                    bound = site_bound(tolerance, dtype, err_unfused)
-                    if tolerance == "exact":
-                        ok = all(error(run, unfused) == 0.0 and all(torch.equal(a, b) for a, b in zip(run, unfused))
-                                 for run in runs)
-                    else:
-                        ok = err_fused <= bound
-                    excess = err_fused - bound
-                    if not ok or excess > worst:
-                        worst = excess if ok else float("inf")
-                        result.err_fused, result.err_unfused, result.bound, result.site = (err_fused, err_unfused,
-                                                                                           bound, site.label)
-                        result.margin = err_fused / err_unfused if err_unfused else math.nan
-                    if not ok:
-                        result.passed = False
-                        rule = ("not bit-identical to the unfused path" if tolerance == "exact" else
-                                f"error {err_fused:.3g} > {GATE[tolerance][0]:g} x unfused {err_unfused:.3g} + floor "
-                                f"= {bound:.3g}")
-                        second = " on its second run" if error(runs[0], want) <= bound < err_fused else ""
-                        result.reason = f"{site.label} (call {result.calls}){second}: {rule}"
-                        return result
+                    exact_match = all(error(r, unfused) == 0.0 and all(torch.equal(x, y) for x, y in zip(r, unfused))
+                                      for r in runs)
+                    return CallErrors(label, err_unfused, [error(r, want) for r in runs],
+                                      site_bound(tolerance, err_unfused),
+                                      exact_match), want
+
+                for number, (args, kwargs) in enumerate(calls, 1):
+                    errors, want = run(f"{site.label} (call {number}{where})", args, kwargs)
+                    yield errors
+                    small = _scaled(args, kwargs) if scaled and all(t.is_floating_point() for t in want) else None
+                    if small is not None:
+                        yield run(f"{site.label} (call {number}{where}, input x 2^{int(math.log2(SMALL_SCALE))})",
+                                  *small)[0]
+
+
+def check_recipe(patches: Patches, name: str, sites: list[tuple[Site, list]], where: str = "",
+                 scaled: bool = False) -> RecipeVerdict:
+    """The verdict on recipe ``name`` over its sites' captured calls (``where`` labels the capture): the worst call,
+    the largest fused/unfused ratio over all calls as its margin, and the first call that failed, if one did."""
+    tolerance = patches.applied[name].recipe.tolerance
+    result = RecipeVerdict(name, tolerance, True, "passed")
+    worst = -math.inf
+    with closing(call_errors(patches, name, sites, where, scaled)) as calls:  # an early return resumes the patches
+        for call in calls:
+            result.calls += 1
+            if call.raised:
+                result.passed, result.site = False, call.label
+                result.reason = f"{call.label}: the fused path raised {call.raised}"
+                return result
+            ok = call.exact_match if tolerance == "exact" else call.err_fused <= call.bound
+            if call.err_unfused > 0:
+                result.margin = max(call.err_fused / call.err_unfused, 0.0 if math.isnan(result.margin) else
+                                    result.margin)
+            excess = call.err_fused - call.bound
+            if not ok or excess > worst:
+                worst = excess
+                result.err_fused, result.err_unfused, result.bound = call.err_fused, call.err_unfused, call.bound
+                result.site = call.label
+            if not ok:
+                result.passed = False
+                rule = ("not bit-identical to the unfused path" if tolerance == "exact" else
+                        f"error {call.err_fused:.3g} > {GATE[tolerance][0]:g} x unfused {call.err_unfused:.3g} + "
+                        f"floor = {call.bound:.3g}")
+                second = " on its second run" if call.err_runs[0] <= call.bound < call.err_fused else ""
+                result.reason = f"{call.label}{second}: {rule}"
+                return result
     return result
+
+
+def combine(first: RecipeVerdict, second: RecipeVerdict) -> RecipeVerdict:
+    """One verdict from two checks of the same recipe (two captures): the failed one, else the one whose worst call
+    came closer to its bound; calls summed, margin the larger, seconds summed."""
+    worse = second if not second.passed or (first.passed and second.err_fused - second.bound >
+                                            first.err_fused - first.bound) else first
+    merged = RecipeVerdict(**{**vars(worse)})
+    merged.calls = first.calls + second.calls
+    merged.seconds = first.seconds + second.seconds
+    margins = [m for m in (first.margin, second.margin) if not math.isnan(m)]
+    merged.margin = max(margins) if margins else math.nan
+    return merged

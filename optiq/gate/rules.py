@@ -1,11 +1,15 @@
 """The gate's rules: how far a fused path may be from the float64 run of the original path, per tolerance class,
 and how that distance is measured.
 
-Per recipe: ``err(fused) <= factor * err(unfused) + floor * eps(model dtype)`` at every call, ``err`` the norm of
-the difference over the norm of the reference; ``exact`` means bitwise equal to the unfused path. Integer outputs
-must be equal; a top-k pair (ids with weights of the same shape, as routers return) is compared as a set per row,
-since which k were chosen is the function and their order within a row is not (torch.topk leaves it unspecified
-among equal values, or at all with sorted=False, and MoE experts sum over the k).
+Per recipe, at every call: ``err(fused) <= factor * err(unfused) + floor * eps(float32)``, ``err`` the norm of the
+difference from the float64 reference over the norm of the reference: a relative error, so the floor is in ulps of
+float32 at the output's magnitude, the precision every kernel of the catalog accumulates and rounds its intermediates
+in (a fused path's reorderings move its result by a few such roundings). It is far below a half-precision output's
+own rounding: a bf16 site's bound is ``factor`` times its unfused error and hardly more, never a fixed number that
+could dwarf the site's own error. ``exact`` means bitwise equal to the unfused path. Integer outputs must be equal; a
+top-k pair (ids with weights of the same shape, as routers return) is compared as a set per row, since which k were
+chosen is the function and their order within a row is not (torch.topk leaves it unspecified among equal values, or
+at all with sorted=False, and MoE experts sum over the k).
 
 End to end: relative logits error ``<= factor * err(unpatched) + E2E_FLOOR_EPS * eps(fp32)`` and top-1 agreement
 ``>= agreement(unpatched) - slack``, with factor and slack from the loosest tolerance among the recipes.
@@ -15,22 +19,28 @@ from __future__ import annotations
 
 import torch
 
-# factor, floor (in eps of the model dtype). Why these:
-# - exact_order: same roundings in the same order, so the fused error is the unfused one plus at most a rounding of
-#   the output per fused multiply-add or differently rounded rsqrt/exp (1-2 ulp): 2x the unfused error plus 2 eps
-#   (4 units of roundoff). A norm without eps (relative error eps_norm / mean(x^2), ~1e-3 on these models) or a
-#   wrong rotation is orders of magnitude past it in fp32.
-# - reassociation: a sum in another order has an error of the same distribution as the original order's but not the
-#   same value; a per-call ratio of two such errors stays well inside 4 (the floor covers calls whose unfused error is
-#   by chance near zero). A dropped cache position or a missing split is an O(1/length) change, far outside.
-# - lossy: lower precision on purpose, so the unfused error says little; the floor is one bf16 rounding of every
-#   input and the output (8 eps of bf16 in eps of the model dtype is applied below), and the end-to-end bound decides.
-GATE = {"exact": (0.0, 0.0), "exact_order": (2.0, 2.0), "reassociation": (4.0, 4.0), "lossy": (4.0, 2.0)}
-LOSSY_FLOOR = 2 * torch.finfo(torch.bfloat16).eps
+# (factor, floor in ulps of float32 at the output's magnitude). Why these (the distributions are in BENCHMARKS.md;
+# scripts/gate_margins.py measures them):
+# - exact_order: same roundings in the same order, so a correct fused path's error is the unfused one's up to a
+#   rounding of an intermediate per differently rounded rsqrt, exp or fused multiply-add; in bf16 the output's
+#   rounding hides those (fused/unfused at most 1.0 on the presets). A forgotten weight or eps, or a wrong rotation,
+#   is many times past it.
+# - reassociation: a sum in another order has an error of the same distribution as the original order's, not the
+#   same value; over the thousands of elements of a call the ratio of two such errors stays near 1. A dropped cache
+#   position or split, or partial sums kept in bf16 (2-3x the unfused error), is outside.
+# - lossy: lower precision on purpose, so the unfused error says little: the floor is one bf16 rounding of every
+#   input and the output (LOSSY_FLOOR ulps of bf16), and the end-to-end bound decides.
+GATE = {"exact": (0.0, 0.0), "exact_order": (1.5, 2.0), "reassociation": (1.5, 2.0), "lossy": (4.0, 0.0)}
+LOSSY_FLOOR = 2.0  # in ulps of bf16 at the output's magnitude
 ORDER = ["exact", "exact_order", "reassociation", "lossy"]  # loosest last
 # End to end: the rounding an fp32 forward of a few dozen layers accumulates in its logits (tiny presets: ~2 eps).
 E2E_FLOOR_EPS = 64
-E2E_SLACK = {"exact": 0.0, "exact_order": 0.02, "reassociation": 0.05, "lossy": 0.1}  # top-1, non-fp32 models only
+# Even an exact recipe's logits move a little: every CUDA graph captured anew may get other cuBLAS kernels (measured:
+# 0.0134 against 0.0133 unpatched on qwen3-0.6b with the sampler alone patched).
+E2E_FACTOR = {"exact": 1.25, "exact_order": 1.25, "reassociation": 1.5, "lossy": 4.0}
+# top-1, non-fp32 models only: a half-precision model's logits tie often enough (bf16 keeps 8 bits) that two correct
+# argmaxes breaking ties differently disagree with the reference's picks on a percent or two of the steps
+E2E_SLACK = {"exact": 0.02, "exact_order": 0.02, "reassociation": 0.05, "lossy": 0.1}
 
 
 def sorted_by_id(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -58,23 +68,28 @@ def error(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
     return (diff / ref) ** 0.5 if ref > 0 else diff ** 0.5
 
 
-def site_bound(tolerance: str, dtype: torch.dtype, err_unfused: float) -> float:
+def site_bound(tolerance: str, err_unfused: float) -> float:
     """The largest error a fused call may have, given the unfused call's."""
     factor, floor = GATE[tolerance]
-    floor_abs = max(floor * torch.finfo(dtype).eps, LOSSY_FLOOR if tolerance == "lossy" else 0.0)
-    return factor * err_unfused + floor_abs
+    if tolerance == "lossy":
+        return factor * err_unfused + LOSSY_FLOOR * torch.finfo(torch.bfloat16).eps
+    return factor * err_unfused + floor * torch.finfo(torch.float32).eps
 
 
 def loosest(tolerances) -> str:
     return max(tolerances, key=ORDER.index, default="exact")
 
 
-def end_to_end_bounds(tolerance: str, dtype: torch.dtype, rel_err_unpatched: float,
-                      top1_unpatched: float) -> tuple[float, float]:
-    """(largest logits error, least top-1 agreement) a patched set whose loosest tolerance is ``tolerance`` may have;
-    an fp32 model's greedy picks must all agree (its reference is its own unpatched decode)."""
-    if tolerance == "exact":
-        bound = 0.0
-    else:
-        bound = GATE[tolerance][0] * rel_err_unpatched + E2E_FLOOR_EPS * torch.finfo(torch.float32).eps
-    return bound, top1_unpatched - (0.0 if dtype == torch.float32 else E2E_SLACK[tolerance])
+def end_to_end_bounds(tolerance: str, dtype: torch.dtype, rel_err_unpatched: float, top1_unpatched: float,
+                      picks: int) -> tuple[float, float]:
+    """(largest logits error, least top-1 agreement over ``picks`` greedy picks) a patched set whose loosest
+    tolerance is ``tolerance`` may have; an fp32 model's greedy picks must all agree (its reference is its own
+    unpatched decode). The top-1 slack is the tolerance's, or three standard errors of a disagreement count of the
+    unpatched model's rate over that many picks if more: at concurrency 1, 64 picks, a random-weight model's
+    near-ties flip a few picks either way (a correct rmsnorm measured 58 of 64 against the unpatched 61)."""
+    bound = E2E_FACTOR[tolerance] * rel_err_unpatched + E2E_FLOOR_EPS * torch.finfo(torch.float32).eps
+    if dtype == torch.float32:
+        return bound, top1_unpatched
+    disagreement = 1.0 - top1_unpatched
+    noise = 3.0 * (disagreement * (1.0 - disagreement) / max(picks, 1)) ** 0.5
+    return bound, top1_unpatched - max(E2E_SLACK[tolerance], noise)

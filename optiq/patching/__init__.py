@@ -79,6 +79,40 @@ class Patches:
         if not self.applied:
             _ACTIVE.pop(self.model, None)
 
+    def install(self, applied: Applied) -> None:
+        """Find the recipe's sites in the model and put their replacements in, or say why it does not apply."""
+        recipe = applied.recipe
+        try:
+            sites = applied.kind.sites(self.model, recipe, applied.fusion, applied.factory)
+        except ValueError as exc:
+            self.not_applicable[recipe.name] = str(exc)
+            return
+        if not sites:
+            self.not_applicable[recipe.name] = (f"the model has no {recipe.patch_kind.replace('_', ' ')} "
+                                                f"{recipe.target_label}")
+            return
+        for site in sites:
+            change = site.bind(site.replacement)
+            change.redo()
+            applied.sites.append(site)
+            applied.changes.append(change)
+        self.applied[recipe.name] = applied
+
+    @contextmanager
+    def rebuilt(self):
+        """For the block, the same recipes built anew on the model's parameters as they are now, in place of these
+        (replacements that concatenate weights when they are built, such as one QKV GEMM, see values of then)."""
+        with self.suspended():
+            fresh = Patches(self.model)
+            for applied in self.applied.values():
+                fresh.install(Applied(applied.recipe, applied.fusion, applied.factory))
+            try:
+                yield fresh
+            finally:
+                for applied in reversed(list(fresh.applied.values())):
+                    for change in reversed(applied.changes):
+                        change.undo()
+
     @contextmanager
     def suspended(self):
         """The unpatched model for the duration (every change undone, then redone in order)."""
@@ -94,8 +128,9 @@ class Patches:
                 change.redo()
 
 
-def apply(model: torch.nn.Module, recipes: Iterable[Recipe]) -> Patches:
-    """Patch ``model`` in place with ``recipes``; the returned Patches lists what changed and undoes it."""
+def apply(model: torch.nn.Module, recipes: Iterable[Recipe], kernels: dict[str, Callable] | None = None) -> Patches:
+    """Patch ``model`` in place with ``recipes``; the returned Patches lists what changed and undoes it.
+    ``kernels`` gives a recipe a kernel of its own instead of its ``fusion`` (the gate's mutants)."""
     if model in _ACTIVE:
         raise OptiqError("the model is already patched; unpatch it before applying recipes again")
     patches = Patches(model)
@@ -112,25 +147,10 @@ def apply(model: torch.nn.Module, recipes: Iterable[Recipe]) -> Patches:
                 raise OptiqError(f"recipes '{claimed[claim]}' and '{recipe.name}' both patch the {kind}"
                                  f"{f' {target}' if target else ''}; choose one")
             claimed[claim] = recipe.name
-        chosen.append((recipe, resolve(recipe, "fusion", recipe.fusion), resolve(recipe, "patch.with",
-                                                                                 recipe.patch_with)))
+        fusion = (kernels or {}).get(recipe.name) or resolve(recipe, "fusion", recipe.fusion)
+        chosen.append((recipe, fusion, resolve(recipe, "patch.with", recipe.patch_with)))
     for recipe, fusion, factory in chosen:
-        applied = Applied(recipe, fusion, factory)
-        try:
-            sites = applied.kind.sites(model, recipe, fusion, factory)
-        except ValueError as exc:
-            patches.not_applicable[recipe.name] = str(exc)
-            continue
-        if not sites:
-            patches.not_applicable[recipe.name] = (f"the model has no {recipe.patch_kind.replace('_', ' ')} "
-                                                   f"{recipe.target_label}")
-            continue
-        for site in sites:
-            change = site.bind(site.replacement)
-            change.redo()
-            applied.sites.append(site)
-            applied.changes.append(change)
-        patches.applied[recipe.name] = applied
+        patches.install(Applied(recipe, fusion, factory))
     if patches.applied:
         _ACTIVE[model] = patches
     return patches
