@@ -93,6 +93,19 @@ class RecipeVerdict:
 
 
 @dataclass
+class MutationScore:
+    """``--mutants``: the gate on the mutants of one recipe's kernel (optiq.gate.mutants), the recipe alone."""
+    killed: int
+    counted: int  # the mutants that changed something on this model
+    survived: list[str] = field(default_factory=list)
+    real: str = "passed"  # the gate on the real kernel alone, or why it rejected it
+
+    @property
+    def score(self) -> float | None:
+        return self.killed / self.counted if self.counted else None
+
+
+@dataclass
 class EndToEndVerdict:
     """The gate's end-to-end check at one concurrency: teacher-forced greedy decode against the fp32 reference."""
     concurrency: int
@@ -162,6 +175,7 @@ class Fusion:
     gate: GateRecord = field(default_factory=GateRecord)
     timings: Timings = field(default_factory=Timings)
     compile_ahead: list[CompiledAhead] = field(default_factory=list)  # the last round's workers
+    mutants: dict[str, MutationScore] = field(default_factory=dict)  # with --mutants: per chosen recipe
 
 
 @dataclass

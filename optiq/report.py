@@ -223,6 +223,13 @@ def headline_table(run: RunRecord) -> Table:
                  "speed-up = after / before; floor = the bytes a step must read over the copy bandwidth")
 
 
+def gated_parameters(run: RunRecord) -> str:
+    """What the per-recipe checks ran on: the model's own parameters, and a second pass with its constant ones
+    redrawn where it had any."""
+    constants = _fusion(run).gate.constant_parameters
+    return f"own + {len(constants)} constant redrawn" if constants else "own (none constant)"
+
+
 def gate_table(run: RunRecord) -> Table:
     """One row per recipe the run considered, with the gate's numbers where it ran."""
     fusion = _fusion(run)
@@ -231,16 +238,21 @@ def gate_table(run: RunRecord) -> Table:
     for recipe in dict.fromkeys([*fusion.applied, *fusion.rolled_back, *gate, *fusion.not_applicable]):
         status = ("applied" if recipe in fusion.applied else "rolled back" if recipe in fusion.rolled_back
                   else "not applicable" if recipe in fusion.not_applicable else "not applied")
-        g = gate.get(recipe)
+        g, mutation = gate.get(recipe), fusion.mutants.get(recipe)
+        score = "—" if mutation is None or mutation.score is None else (
+            f"{100 * mutation.score:.0f}% of {mutation.counted}")
         if g is None:
-            rows.append([recipe, status, "", *["—"] * 6, fusion.not_applicable.get(recipe, "")])
+            rows.append([recipe, status, "", *["—"] * 5, score, "—", fusion.not_applicable.get(recipe, "")])
             continue
         rows.append([recipe, status, g.tolerance, _fmt(g.calls, "d"), _fmt(g.err_fused, ".2e"),
-                     _fmt(g.err_unfused, ".2e"), _fmt(g.margin, ".2f"), _fmt(g.bound, ".2e"), _fmt(g.seconds, ".1f"),
-                     g.reason or fusion.not_applicable.get(recipe, "")])
+                     _fmt(g.err_unfused, ".2e"), _fmt(g.margin, ".2f"), _fmt(g.bound, ".2e"), score,
+                     _fmt(g.seconds, ".1f"), g.reason or fusion.not_applicable.get(recipe, "")])
     return Table("Validation gate: per recipe", ["recipe", "status", "tolerance", "calls", "err fused",
-                                                 "err unfused", "fused / unfused", "bound", "s", "reason"], rows,
-                 "err = relative error against a float64 run of the unfused path, at the worst call")
+                                                 "err unfused", "fused / unfused", "bound", "mutants killed", "s",
+                                                 "reason"], rows,
+                 f"err = relative error against a float64 run of the unfused path, at the worst call; fused / "
+                 f"unfused = the largest ratio over all calls; parameters gated on: {gated_parameters(run)}; "
+                 f"mutants killed: with --mutants")
 
 
 def end_to_end_table(run: RunRecord) -> Table:
@@ -342,7 +354,8 @@ def report_document(run: RunRecord) -> Document:
         names = fusion.gate.constant_parameters
         facts.append(("gated on constant parameters", f"{len(names)} of the model's parameters were one value "
                       f"throughout ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): a kernel that ignores "
-                      "them computes the same function there, and the gate could not see it"))
+                      "them computes the same function there, so the per-recipe checks ran a second pass with them "
+                      "drawn anew"))
     if fusion.compile_ahead:
         facts.append(("kernels compiled ahead", "; ".join(map(_compiled_ahead, fusion.compile_ahead))))
     if (waits := time_to_optimized(run)) is not None:

@@ -25,6 +25,7 @@ from optiq.catalog.proposals import choose_recipes, propose_all
 from optiq.catalog.recipes import Recipe
 from optiq.errors import OptiqError
 from optiq.gate import GatePlan, validate
+from optiq.gate.mutants import verify
 from optiq.measure import environment
 from optiq.measure.roofline import copy_bandwidth
 from optiq.measure.sweep import compiled_forward, free_memory, sweep
@@ -54,6 +55,7 @@ class Job:
     gate_steps: int = 64
     min_share: float = 0.25  # auto: the least share of the step (in %) a proposal must cover
     profile: bool = False  # profile the model before and after fusing, for the report (else only for auto)
+    mutants: bool = False  # gate the mutants of each chosen recipe's kernel first (optiq.gate.mutants)
 
 
 class SweepProgress:
@@ -122,6 +124,8 @@ def _fuse_and_measure(job: Job, model, bandwidth: float, record: RunRecord, run_
         names = choose_recipes(job.requested, job.catalog, found, job.min_share)
         if not names:
             raise OptiqError(f"no recipe to apply: no proposal covers {job.min_share}% of the step")
+        if job.mutants:
+            _gate_mutants(model, [job.catalog[n] for n in names], plan, record, hooks)
         rechoose = None
         if job.requested == "auto":
             def rechoose(rejected: list[str]) -> list[str]:
@@ -137,6 +141,17 @@ def _fuse_and_measure(job: Job, model, bandwidth: float, record: RunRecord, run_
     hooks.save(record)
     if job.profile:
         _profile(job, model, "after", record.attribution_after, record, run_dir, hooks)
+
+
+def _gate_mutants(model, recipes: list[Recipe], plan: GatePlan, record: RunRecord, hooks: Hooks) -> None:
+    """Each recipe's mutation score on the unpatched model, into the record as each is done."""
+    def done(name: str, result) -> None:
+        if not isinstance(result, str):
+            record.fusion.mutants[name] = result.summary()
+            hooks.save(record)
+
+    with hooks.status(f"gating the mutants of {', '.join(r.name for r in recipes)}"):
+        verify(model, recipes, plan, done=done)
 
 
 def _measure(job: Job, model, variants, bandwidth: float, rows: list[Row], record: RunRecord, hooks: Hooks,

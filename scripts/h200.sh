@@ -12,6 +12,9 @@
 #   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear) under fixed tile configs against its heuristic
 #   gpu-tests:F[,F]  the GPU tests of those fusions only
 #   pytest:T[,T]   those test files (paths under tests/), GPU tests included
+#   verify:MODEL   optiq recipes verify --mutants --model MODEL at W1's gate (C=${VERIFY_C:-1,16,64}, prompt 512,
+#                  cache 1024, 64 steps, graph): every recipe alone, with its real kernel and each mutant
+#   margins:MODEL  scripts/gate_margins.py MODEL bf16 1,16,64 512 1024: the correct kernels' error distributions
 #   pdl:MODEL=R[,R]         scripts/pdl_ab.py: decode tok/s of MODEL patched with recipes R, PDL off and on
 #   gate-profile:MODEL=R[,R]  scripts/gate_profile.py: cProfile of the gate on MODEL patched with recipes R
 # Every run directory comes back as MODEL-KIND.tgz (eager traces left out when the archive would pass 15 MB), packed
@@ -80,6 +83,11 @@ for stage in "$@"; do
     row:*) timeout "$(limit "$STAGE_S")" python3 -m optiq bench --model "${stage#row:}" --compare "$PEERS" \
              --concurrency "${ROW_C:-1,16,64}" \
              --recipes auto --runs-dir "$OUT/runs/${stage#row:}-row" 2>&1 | tee -a $OUT/log.txt ;;
+    verify:*) timeout "$(limit "$STAGE_S")" python3 -m optiq recipes verify --mutants --model "${stage#verify:}" \
+                --concurrency "${VERIFY_C:-1,16,64}" --json --runs-dir "$OUT/runs/${stage#verify:}-verify" \
+                > "$OUT/verify_${stage#verify:}.json" 2> >(tee -a $OUT/log.txt >&2) ;;
+    margins:*) timeout "$(limit "$STAGE_S")" python3 scripts/gate_margins.py "${stage#margins:}" bf16 1,16,64 512 1024 \
+                 "$OUT/margins_${stage#margins:}.json" 2>&1 | tee -a $OUT/log.txt ;;
     profile:*) timeout "$(limit "$STAGE_S")" python3 -m optiq profile --model "${stage#profile:}" --concurrency 64 \
                  --top 1 --runs-dir "$OUT/runs/${stage#profile:}-profile" 2>&1 | tee -a $OUT/log.txt ;;
   esac

@@ -141,7 +141,7 @@ def test_markdown_has_every_section_and_the_gate_verdicts(tmp_path):
     md = (run / "report.md").read_text()
     for text in ("llama-3.1-8b · bfloat16 · graph · NVIDIA H200", "torch 2.13.0+cu130", "prompt 512 tokens",
                  "| 64 | 1,233.2 | 4,000.0 | 3.24× | 2,612.9 | 1.53× | 13,637.3 | 29.3 |",
-                 "| rope | rolled back | exact_order | 32 | 9.10e-02 | 2.00e-03 | 45.50 | 6.20e-03 | 0.9 | err 9.1e-02 > bound",
+                 "| rope | rolled back | exact_order | 32 | 9.10e-02 | 2.00e-03 | 45.50 | 6.20e-03 | — | 0.9 | err 9.1e-02 > bound",
                  "| gate_up_swiglu | not applicable |", "no fused gate_up weight",
                  "| predicted: decode_attention (ms/step) | 2.100 | — | 45.867 |",
                  "| measured: kernels removed per step (profiled) | 563 | — | 563 |", "not separable",
@@ -240,10 +240,10 @@ def test_nan_gate_numbers_survive_the_round_trip(tmp_path):
     report["fusion"]["gate"]["recipes"]["rmsnorm"].update(err_fused=float("nan"), err_unfused=float("nan"))
     run = run_dir_with(tmp_path, report)
     write_report(run)
-    assert "| rmsnorm | applied | exact_order | 65 | — | — | — | 4.30e-03 |" in (run / "report.md").read_text()
+    assert "| rmsnorm | applied | exact_order | 65 | — | — | — | 4.30e-03 | — |" in (run / "report.md").read_text()
 
 
-def test_a_gate_on_constant_parameters_says_what_it_could_not_see(tmp_path):
+def test_a_gate_on_constant_parameters_says_it_redrew_them(tmp_path):
     report = h200_report()
     report["fusion"]["gate"]["constant_parameters"] = [f"model.layers.{i}.input_layernorm.weight" for i in range(4)]
     run = run_dir_with(tmp_path, report)
@@ -251,6 +251,17 @@ def test_a_gate_on_constant_parameters_says_what_it_could_not_see(tmp_path):
     assert ("**gated on constant parameters**: 4 of the model's parameters were one value throughout "
             "(model.layers.0.input_layernorm.weight, model.layers.1.input_layernorm.weight, "
             "model.layers.2.input_layernorm.weight, ...)") in (run / "report.md").read_text()
+    assert "parameters gated on: own + 4 constant redrawn" in (run / "report.md").read_text()
+
+
+def test_the_gate_table_shows_each_recipes_mutation_score(tmp_path):
+    report = h200_report()
+    report["fusion"]["mutants"] = {"rmsnorm": {"killed": 8, "counted": 8},
+                                   "decode_attention": {"killed": 6, "counted": 7, "survived": ["length - 1"]}}
+    run = run_dir_with(tmp_path, report)
+    write_report(run)
+    text = (run / "report.md").read_text()
+    assert "| 100% of 8 |" in text and "| 86% of 7 |" in text and "parameters gated on: own (none constant)" in text
 
 
 def test_compare_two_runs(tmp_path):

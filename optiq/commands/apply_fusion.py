@@ -20,7 +20,7 @@ from optiq.commands.common import (err, exit_if_rejected, gate_options, measurem
 @click.option("--runs-dir", default="runs", show_default=True, help="Where the run directory is created.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
 def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency, prompt_len, new_tokens, max_len,
-                 repeats, mode, compare, gate_steps, min_share, runs_dir, as_json):
+                 repeats, mode, compare, gate_steps, min_share, mutants, runs_dir, as_json):
     """Patch the model with fusion recipes, validate them, re-measure throughput against concurrency, and report.
 
     \b
@@ -36,7 +36,7 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
 
     record, run = run_job("apply-fusion", model_spec, dtype, device, mode, concurrency, prompt_len, new_tokens,
                           max_len, repeats, compare, requested, recipes_dir, gate_steps, min_share, runs_dir,
-                          profile=True)
+                          profile=True, mutants=mutants)
     written = write_report(run.path, record)
     if as_json:
         print_json({"run_dir": str(run.path), **record.to_json()})

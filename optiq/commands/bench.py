@@ -36,11 +36,12 @@ every point; Ctrl-C keeps what was measured and marks it incomplete. Exit code 3
 @click.option("--runs-dir", default="runs", show_default=True, help="Where the run directory is created.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON document.")
 def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_len, repeats, mode, compare, requested,
-          recipes_dir, gate_steps, min_share, runs_dir, as_json):
+          recipes_dir, gate_steps, min_share, mutants, runs_dir, as_json):
     from optiq.commands.views import fusion_summary, results_table
 
     record, run = run_job("bench", model_spec, dtype, device, mode, concurrency, prompt_len, new_tokens, max_len,
-                          repeats, compare, requested, recipes_dir, gate_steps, min_share, runs_dir, profile=False)
+                          repeats, compare, requested, recipes_dir, gate_steps, min_share, runs_dir, profile=False,
+                          mutants=mutants)
     if as_json:
         print_json({"run_dir": str(run.path), **record.to_json()})
     else:

@@ -102,7 +102,10 @@ def measurement_options(compare_help: str, peers: tuple[str, ...] = ("compile",)
 
 
 def gate_options(func):
-    """--gate-steps and --min-share, shared by the commands that fuse (apply-fusion, bench --recipes)."""
+    """--gate-steps, --min-share and --mutants, shared by the commands that fuse (apply-fusion, bench --recipes)."""
+    func = click.option("--mutants", is_flag=True,
+                        help="First gate every mutant of each chosen recipe's kernel, alone, and record the mutation "
+                             "score (as `optiq recipes verify --mutants`).")(func)
     func = click.option("--min-share", default=0.25, show_default=True,
                         help="auto: take proposals that cover at least this % of the step at some concurrency (of "
                              "the unpatched step: llama-3.1-8b's argmax is 0.45% of it, 0.8% of the fused one).")(func)
@@ -163,7 +166,7 @@ def console_hooks(save):
 
 
 def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_len, new_tokens, max_len, repeats,
-            peers, requested, recipes_dirs, gate_steps, min_share, runs_dir, profile: bool):
+            peers, requested, recipes_dirs, gate_steps, min_share, runs_dir, profile: bool, mutants: bool = False):
     """What ``apply-fusion`` and ``bench`` share around the workflow: the flags checked before any work, a run
     directory, the record saved after every step, and how the run ends (exit 1 with the record marked failed, 130
     interrupted, 3 when the gate rejected every recipe). Returns the record and the run directory."""
@@ -185,7 +188,7 @@ def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_l
         named_recipes(requested, catalog)  # unknown names fail before any work
     job = Job(command, model_spec or default_preset(device), resolve_dtype(dtype or default_dtype(device), device),
               device, mode, parse_concurrency(concurrency), workload, peers, requested, catalog, tuple(recipes_dirs),
-              gate_steps, min_share, profile)
+              gate_steps, min_share, profile, mutants)
     record = new_record(job)
     run_dir = RunDir(runs_dir, command, dict(model=job.model, dtype=record.dtype, mode=mode,
                                              concurrency=job.concurrencies, compare=peers, recipes=requested,

@@ -1,14 +1,17 @@
-"""``optiq recipes``: the fusion catalog, and ``optiq recipes show NAME`` for one recipe in full."""
+"""``optiq recipes``: the fusion catalog, ``optiq recipes show NAME`` for one recipe in full, and ``optiq recipes
+verify`` to gate recipes and their kernels' mutants on a model."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 
 import click
 from rich.table import Table
 
 from optiq.catalog.recipes import TOLERANCES, load_catalog
-from optiq.commands.common import out, print_json, recipes_dir_option
+from optiq.commands.common import (err, model_options, out, parse_concurrency, print_json, recipes_dir_option,
+                                   resolve_device_and_mode, stop_interrupted)
 from optiq.errors import OptiqError
 
 
@@ -53,3 +56,84 @@ def show(name, recipes_dir, as_json):
     out.print(f"patches    {r.patch_kind}: {r.target_label} with {r.patch_with}")
     out.print(f"fusion     {r.fusion}")
     out.print(f"tolerance  {r.tolerance}: {TOLERANCES[r.tolerance]}")
+
+
+@recipes.command()
+@click.argument("names", nargs=-1)
+@model_options
+@click.option("--concurrency", default=None, help="Batch sizes the gate checks at, comma-separated (default 1,16,64 "
+                                                  "on CUDA, 1,2 on CPU).")
+@click.option("--prompt-len", default=None, type=int, help="Prompt tokens (default 512 on CUDA, 16 on CPU).")
+@click.option("--max-len", default=None, type=int, help="The longest context the sites are checked at (default 1024 "
+                                                        "on CUDA, 64 on CPU).")
+@click.option("--gate-steps", default=None, type=click.IntRange(1),
+              help="Teacher-forced decode steps of the end-to-end check (default 64 on CUDA, 16 on CPU).")
+@click.option("--mutants", "with_mutants", is_flag=True,
+              help="Also gate every mutant of each recipe's kernel and print the mutation score.")
+@recipes_dir_option
+@click.option("--runs-dir", default="runs", show_default=True, help="Where the run directory is created.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of the table.")
+def verify(names, model_spec, dtype, device, concurrency, prompt_len, max_len, gate_steps, with_mutants, recipes_dir,
+           runs_dir, as_json):
+    """Gate each recipe (all, or NAMES) alone on a model, and with --mutants every mutant of its kernel too.
+
+    \b
+    A mutant is the recipe's kernel wrapped to compute what real fused kernels have shipped computing by mistake: a
+    length off by one, a dropped first or last block, a forgotten weight, bias or eps, a scale a few percent off,
+    accumulation in the input dtype, rows of the batch mixed or stale, state carried across calls. The gate must
+    reject every one (the mutation score is the share it rejects) and keep every real kernel. Exit 1 if a mutant
+    survived or a real kernel was rejected.
+    """
+    device, mode = resolve_device_and_mode(device, None)  # first: it picks Triton's interpreter on the CPU
+    from optiq.catalog.proposals import named_recipes
+    from optiq.commands.views import mutation_table
+    from optiq.gate import GatePlan
+    from optiq.gate.mutants import verify as verify_recipes
+    from optiq.models import default_dtype, default_preset, load_model, resolve_dtype
+    from optiq.rundir import RunDir, write_json
+
+    catalog = load_catalog(recipes_dir)
+    chosen = [catalog[n] for n in named_recipes(",".join(names), catalog)] if names else list(catalog.values())
+    gpu = device.type == "cuda"
+    concurrencies = parse_concurrency(concurrency or ("1,16,64" if gpu else "1,2"))
+    prompt_len = prompt_len or (512 if gpu else 16)
+    max_len = max_len or (1024 if gpu else 64)
+    gate_steps = gate_steps or (64 if gpu else 16)
+    if prompt_len + gate_steps + 1 > max_len:
+        raise OptiqError(f"--prompt-len {prompt_len} + --gate-steps {gate_steps} + 1 exceed --max-len {max_len}")
+    plan = GatePlan(tuple(concurrencies), gate_steps, prompt_len, mode, max_len=max_len)
+    model_spec = model_spec or default_preset(device)
+    torch_dtype = resolve_dtype(dtype or default_dtype(device), device)
+    args = dict(model=model_spec, dtype=str(torch_dtype).removeprefix("torch."), recipes=[r.name for r in chosen],
+                mutants=with_mutants, **vars(plan))
+    run = RunDir(runs_dir, "verify", args)
+    with err.status(f"loading {model_spec}"):
+        model = load_model(model_spec, torch_dtype, device)
+    results: dict = {}
+
+    def save(name, result) -> None:
+        results[name] = result
+        write_json(run.path / "verify.json", {"args": args, "recipes": {
+            n: r if isinstance(r, str) else asdict(r) | {"score": r.score} for n, r in results.items()}})
+
+    try:
+        with err.status("gating") as status:
+            def progress(line: str) -> None:
+                status.update(line)
+                err.print(line, highlight=False)
+
+            verify_recipes(model, chosen, plan, with_mutants, progress, done=save)
+    except KeyboardInterrupt:
+        stop_interrupted(run, f"{len(results)} recipe(s)", recipes_done=len(results))
+    run.finish("complete", recipes_done=len(results))
+    if as_json:
+        print_json({"run_dir": str(run.path), **json.loads((run.path / "verify.json").read_text())})
+    else:
+        out.print(mutation_table(results, f"optiq recipes verify · {model_spec} · {args['dtype']}"))
+        out.print(f"run directory: {run.path}")
+    survived = sum(1 for r in results.values() if not isinstance(r, str)
+                   for m in r.mutants if m.status == "survived")
+    rejected = [n for n, r in results.items() if not isinstance(r, str) and r.real != "passed"]
+    if survived or rejected:
+        raise OptiqError(f"{survived} mutant(s) survived the gate" + (f"; real kernels rejected: {', '.join(rejected)}"
+                                                                     if rejected else ""))

@@ -98,3 +98,20 @@ def fusion_summary(record: RunRecord) -> str:
         lines.append(f"time to optimized {optimized:.1f} s (patch + gate + capture)" + (
             f"; torch.compile's warm-up {warmup:.1f} s, {optimized / warmup:.2f}x of it" if warmup else ""))
     return "\n".join(lines)
+
+
+def mutation_table(results: dict, title: str) -> Table:
+    """``recipes verify``: per recipe, the real kernel's verdict, the mutants killed and survived, and the score."""
+    table = Table(title=title)
+    for name in ("recipe", "real kernel", "killed", "survived", "score", "s"):
+        table.add_column(name, justify="right" if name in ("killed", "survived", "score", "s") else "left",
+                         overflow="fold")
+    for name, result in results.items():
+        if isinstance(result, str):
+            table.add_row(name, f"not applicable: {result}", "", "", "", "")
+            continue
+        survived = [m.name for m in result.mutants if m.status == "survived"]
+        score = "" if result.score is None else f"{100 * result.score:.0f}%"
+        table.add_row(name, result.real, str(result.killed), ", ".join(survived) or "0", score,
+                      f"{result.seconds:.0f}")
+    return table
