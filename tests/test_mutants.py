@@ -7,6 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import optiq.gate.end_to_end as gate_end_to_end
 import optiq.gate.rules as rules
 from optiq.cli import cli
 from optiq.fusions.linear import linear, linear_reference
@@ -37,14 +38,14 @@ def test_every_mutant_of_every_builtin_kernel_is_killed(tmp_path, preset):
 
 
 def test_a_gate_too_loose_to_tell_is_caught_by_the_score(tmp_path, monkeypatch):
-    """Bounds so loose that only a changed greedy pick fails: the mutants that change the logits a little survive."""
-    monkeypatch.setitem(rules.GATE, "exact_order", (1e6, 1e6))
-    monkeypatch.setitem(rules.E2E_FACTOR, "exact_order", 1e6)
-    monkeypatch.setattr(rules, "E2E_FLOOR_EPS", 1e9)
+    """Bounds that pass almost anything: the mutants that change the function survive, and the command says so."""
+    monkeypatch.setitem(rules.GATE, "exact_order", (1e9, 1e9))
+    monkeypatch.setattr(gate_end_to_end, "end_to_end_bounds", lambda *args: (float("inf"), 0.0))
     result, document = _verify(tmp_path, "--model", "tiny-llama", "rmsnorm")
     assert result.exit_code == 1 and "survived the gate" in result.output
     statuses = {m["name"]: m["status"] for m in document["recipes"]["rmsnorm"]["mutants"]}
-    assert statuses["eps forgotten"] == "survived" and statuses["scale off by 1.6%"] == "survived"
+    assert statuses["eps forgotten"] == "survived" and statuses["rows 0 and 1 swapped"] == "survived"
+    assert document["recipes"]["rmsnorm"]["score"] < 0.5
 
 
 def test_the_mutants_follow_the_kernels_parameters():
@@ -58,9 +59,9 @@ def test_a_mutant_that_changes_nothing_is_not_counted():
     touched = []
     forgotten = next(m for m in mutants(linear) if m.name == "bias forgotten").wrap(linear, touched)
     x, weight = torch.randn(2, 8), torch.randn(4, 8)
-    assert torch.equal(forgotten(x, weight), linear(x, weight)) and touched == []
+    assert torch.equal(forgotten(x, weight), linear(x, weight)) and not any(touched)
     bias = torch.randn(4)
-    assert not torch.allclose(forgotten(x, weight, bias), linear(x, weight, bias)) and touched
+    assert not torch.allclose(forgotten(x, weight, bias), linear(x, weight, bias)) and any(touched)
 
 
 def test_split_k_in_bf16_has_more_error_than_fp32_accumulation():

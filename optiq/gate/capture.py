@@ -36,7 +36,7 @@ def _copy_cache(cache: Cache, dtype: torch.dtype | None, scale: float | None = N
     return copied
 
 
-def scaled(value: Any, factor: float) -> Any:
+def scaled_copy(value: Any, factor: float) -> Any:
     """A captured activation times ``factor``: a floating tensor, or a cache (its keys and values copied); anything
     else as it is."""
     if isinstance(value, torch.Tensor) and value.is_floating_point():

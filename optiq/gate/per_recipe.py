@@ -3,10 +3,10 @@
 
 The fused path runs twice in a row, so a kernel that carries state from one call into the next (a stale
 accumulator) shows on its second call even at a single site. With ``scaled``, every call whose outputs are all
-floating runs a second time with its first input scaled by ``SMALL_SCALE``: activations that small reach the regime
-where a norm's eps is a good part of its result (a forgotten eps changes a result by ~eps / mean(x^2), a millionth
-at the model's own activations, below one bf16 rounding). A power of two scales exactly, so the scaled input is
-as representable as the captured one. Sites with integer outputs (routers, samplers) are left out: scaling their
+floating runs a second time with its activations (its first input and its KV cache) scaled by ``SMALL_SCALE``:
+activations that small reach the regime where a norm's eps is a good part of its result (a forgotten eps changes a
+result by ~eps / mean(x^2), a millionth at the model's own activations, below one bf16 rounding). A power of two
+scales exactly, so the scaled input is as representable as the captured one. Sites with integer outputs (routers, samplers) are left out: scaling their
 inputs would not change which ids are picked, only create near-ties."""
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-
 from transformers import Cache
 
-from optiq.gate.capture import fresh, scaled, tensors
+from optiq.gate.capture import fresh, scaled_copy, tensors
 from optiq.gate.references.float64 import float64_path
 from optiq.gate.rules import GATE, error, site_bound
 from optiq.patching import Patches
@@ -53,9 +52,10 @@ def _scaled(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     if first is None and not (isinstance(kwargs.get("hidden_states"), torch.Tensor)
                               and kwargs["hidden_states"].is_floating_point()):
         return None
-    args = tuple(scaled(v, SMALL_SCALE) if i == first or isinstance(v, Cache) else v for i, v in enumerate(args))
-    kwargs = {k: scaled(v, SMALL_SCALE) if (k == "hidden_states" and first is None) or isinstance(v, Cache) else v
-              for k, v in kwargs.items()}
+    args = tuple(scaled_copy(v, SMALL_SCALE) if i == first or isinstance(v, Cache) else v
+                 for i, v in enumerate(args))
+    kwargs = {k: scaled_copy(v, SMALL_SCALE) if (k == "hidden_states" and first is None) or isinstance(v, Cache)
+              else v for k, v in kwargs.items()}
     return args, kwargs
 
 
@@ -82,8 +82,7 @@ def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], whe
                     exact_match = all(error(r, unfused) == 0.0 and all(torch.equal(x, y) for x, y in zip(r, unfused))
                                       for r in runs)
                     return CallErrors(label, err_unfused, [error(r, want) for r in runs],
-                                      site_bound(tolerance, err_unfused),
-                                      exact_match), want
+                                      site_bound(tolerance, err_unfused), exact_match), want
 
                 for number, (args, kwargs) in enumerate(calls, 1):
                     errors, want = run(f"{site.label} (call {number}{where})", args, kwargs)
