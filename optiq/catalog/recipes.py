@@ -13,6 +13,7 @@ from pathlib import Path
 
 from optiq.errors import OptiqError
 from optiq.patching.kinds import KINDS
+from optiq.patching.structure import STRUCTURES
 from optiq.traces.op_classes import CLASSES
 
 # How close a recipe's output must stay to the unfused path's, both measured against an fp32 reference.
@@ -39,15 +40,19 @@ class Recipe:
     patch_with: str  # import path "module:attribute" of the factory that builds the replacement
     path: str
     patch_names: tuple[str, ...] = ()  # module_forward only: just the instances under these attribute names
+    patch_structure: str = ""  # module_forward only: the instances that compute this (optiq.patching.structure)
+    excluded: tuple[str, ...] = ()  # model types it is never tried on, though ``architectures`` is "*"
 
     def applies_to(self, model_type: str) -> bool:
-        return "*" in self.architectures or model_type in self.architectures
+        return ("*" in self.architectures or model_type in self.architectures) and model_type not in self.excluded
 
     @property
     def target_label(self) -> str:
         """What it patches, as a person reads it: "Linear named o_proj / down_proj"."""
         named = f" named {' / '.join(self.patch_names)}" if self.patch_names else ""
-        return f"{' / '.join(self.patch_target)}{named}"
+        computing = f" computing {self.patch_structure}" if self.patch_structure else ""
+        classes = "any module" if self.patch_target == ("*",) else " / ".join(self.patch_target)
+        return f"{classes}{computing}{named}"
 
     @property
     def claims(self) -> tuple[tuple[str, str], ...]:
@@ -110,9 +115,15 @@ def parse_recipe(path: Path | Traversable) -> Recipe:
     names = _field(path, patch, "names", list, "patch.") if "names" in patch else ()
     if names and not KINDS[kind].narrows_by_name:
         raise OptiqError(f"{path}: recipe field 'patch.names' narrows a module_forward patch only, not '{kind}'")
-    architectures = _field(path, data, "architectures", list)
+    structure = _field(path, patch, "structure", str, "patch.") if "structure" in patch else ""
+    if structure and (kind != "module_forward" or structure not in STRUCTURES):
+        raise OptiqError(f"{path}: recipe field 'patch.structure' must be one of {', '.join(STRUCTURES)} on a "
+                         f"module_forward patch, not '{structure}' on '{kind}'")
+    # Where it may be tried: every model by default, the gate deciding; a list narrows it, ``exclude`` leaves out.
+    architectures = _field(path, data, "architectures", list) if "architectures" in data else ["*"]
     if not architectures:
-        raise OptiqError(f"{path}: recipe field 'architectures' is empty (use [\"*\"] for every architecture)")
+        raise OptiqError(f"{path}: recipe field 'architectures' is empty (leave it out for every architecture)")
+    excluded = _field(path, data, "exclude", list) if "exclude" in data else ()
     return Recipe(
         name=_field(path, data, "name", str), summary=_field(path, data, "summary", str),
         fusion=_import_path(path, _field(path, data, "fusion", str), "fusion"), architectures=architectures,
@@ -120,7 +131,7 @@ def parse_recipe(path: Path | Traversable) -> Recipe:
         aten_ops=_field(path, fixes, "aten_ops", list, "fixes."), kernels_saved_per_layer=saved, patch_kind=kind,
         patch_target=target if isinstance(target, tuple) else (target,),
         patch_with=_import_path(path, _field(path, patch, "with", str, "patch."), "patch.with"), path=str(path),
-        patch_names=names)
+        patch_names=names, patch_structure=structure, excluded=tuple(excluded))
 
 
 def load_catalog(extra_dirs: list[str] | tuple[str, ...] = ()) -> dict[str, Recipe]:

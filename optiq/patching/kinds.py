@@ -16,6 +16,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 from optiq.patching.changes import Change, Site, set_attribute, set_item, together
+from optiq.patching.structure import STRUCTURES
 
 if TYPE_CHECKING:
     import torch
@@ -50,19 +51,23 @@ class PatchKind:
 
 
 class ModuleForward(PatchKind):
-    """Instances of module classes get a new ``forward`` (``factory(module, fusion) -> forward``); ``[patch] names``
-    narrows it to the instances under those attribute names."""
+    """Instances of module classes get a new ``forward`` (``factory(module, fusion) -> forward``); ``modules = ["*"]``
+    with ``[patch] structure`` takes every module that computes that structure (``optiq.patching.structure``),
+    whatever its class; ``[patch] names`` narrows it to the instances under those attribute names."""
 
     name, target_field, many_targets, unit, narrows_by_name = "module_forward", "modules", True, "modules", True
 
     def claims(self, recipe):
+        if recipe.patch_structure:
+            return (("module structure", recipe.patch_structure),)
         return tuple(("module class", target) for target in recipe.patch_target)
 
     def sites(self, model, recipe, fusion, factory):
+        computes = STRUCTURES[recipe.patch_structure] if recipe.patch_structure else lambda module: True
         found = []
         for name, module in model.named_modules():
-            if type(module).__name__ in recipe.patch_target and (
-                    not recipe.patch_names or name.rsplit(".", 1)[-1] in recipe.patch_names):
+            if ("*" in recipe.patch_target or type(module).__name__ in recipe.patch_target) and (
+                    not recipe.patch_names or name.rsplit(".", 1)[-1] in recipe.patch_names) and computes(module):
                 found.append(Site(name or type(module).__name__, module.forward, factory(module, fusion),
                                   lambda fn, module=module: set_attribute(module, "forward", fn)))
         return found

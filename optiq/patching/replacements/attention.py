@@ -114,6 +114,11 @@ def _filled_lengths(kwargs: dict) -> tuple[int, torch.Tensor]:
     return q_length, torch.as_tensor(kwargs.get("q_offset", 0), device=kwargs.get("device")) + q_length
 
 
+# What transformers' attention functions may be asked for that the decode kernel does not compute: logit softcapping
+# (Gemma 2), attention sinks (GPT-OSS's s_aux), a sliding window; such calls take transformers' own path.
+UNSUPPORTED = ("softcap", "s_aux", "sliding_window")
+
+
 def decode_attention_interface(fusion):
     """(attention, mask) for one name: decode steps (one query token, no padding mask, no window) run ``fusion``
     over each sequence's filled cache prefix; everything else (prefill) runs transformers' own sdpa path and mask.
@@ -130,7 +135,8 @@ def decode_attention_interface(fusion):
         return filled.reshape(1).to(torch.int64).repeat(kwargs["batch_size"])
 
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 1 and query.shape[2] == 1:
+        computes = not any(kwargs.get(name) is not None for name in UNSUPPORTED)
+        if computes and isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 1 and query.shape[2] == 1:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return fusion(query, key, value, attention_mask, scale), None
         return sdpa_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)

@@ -1,14 +1,20 @@
-"""RMSNorm modules through a fused norm kernel."""
+"""RMSNorm-like modules (``structure.rms_norm``) through a fused norm kernel."""
 
 from __future__ import annotations
 
 import torch
 
+from optiq.patching.structure import rms_norm
+
 
 def rmsnorm_forward(module: torch.nn.Module, fusion):
-    """HF's RMSNorm (weight and ``variance_epsilon`` read at call time, so a reloaded weight is seen)."""
+    """The module's norm as one kernel: its weight and eps read at call time (so a reloaded weight is seen), applied
+    as ``w`` or ``1 + w`` as the module does."""
+    site = rms_norm(module)
+    if site is None:
+        raise ValueError(f"{type(module).__name__} does not compute an RMSNorm")
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        return fusion(hidden_states, module.weight, module.variance_epsilon)
+        return fusion(hidden_states, module.weight, getattr(module, site.eps_attribute), site.offset)
 
     return forward

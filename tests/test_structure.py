@@ -1,0 +1,62 @@
+"""Recipes find their sites by what modules compute: an RMSNorm of any class, with w or 1 + w, and models the
+catalog was not written for get recipes that the gate then keeps."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, Phi3Config
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from optiq.catalog.recipes import load_catalog
+from optiq.gate import GatePlan, validate
+from optiq.models import load_model
+from optiq.patching import apply, unpatch
+from optiq.patching.structure import rms_norm
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def test_rms_norms_are_found_by_what_they_compute_whatever_their_class():
+    llama, gemma = LlamaRMSNorm(32, eps=1e-5), Gemma3RMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        llama.weight.normal_(1.0, 0.1)
+        gemma.weight.normal_(0.0, 0.1)
+    assert rms_norm(llama).offset is False and rms_norm(llama).eps_attribute == "variance_epsilon"
+    assert rms_norm(gemma).offset is True and rms_norm(gemma).eps_attribute == "eps"
+    assert rms_norm(torch.nn.LayerNorm(32, bias=False)) is None  # subtracts the mean: another structure
+    assert rms_norm(torch.nn.Linear(32, 32, bias=False)) is None
+
+
+class ScaledNorm(LlamaRMSNorm):
+    """An RMSNorm with an extra scale: the right parameters, another function."""
+
+    def forward(self, hidden_states):
+        return 2.0 * super().forward(hidden_states)
+
+
+def test_a_module_with_the_parameters_but_another_function_does_not_match():
+    assert rms_norm(ScaledNorm(32)) is None
+
+
+@pytest.fixture(scope="module", params=[Phi3Config(**TINY), Gemma3TextConfig(**TINY, head_dim=16)],
+                ids=["phi3", "gemma3_text"])
+def checkpoint(request, tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(request.param.model_type)
+    AutoModelForCausalLM.from_config(request.param).save_pretrained(path)
+    return str(path)
+
+
+def test_a_model_the_catalog_never_named_gets_recipes_the_gate_keeps(checkpoint):
+    model = load_model(checkpoint, torch.float32, torch.device("cpu"))
+    catalog = load_catalog()
+    names = ["rmsnorm", "decode_attention", "decode_linear", "rope", "greedy_sample"]
+    patches = apply(model, [catalog[n] for n in names])
+    try:
+        assert list(patches.applied) == names, patches.not_applicable
+        report = validate(patches, GatePlan((1, 2), steps=3, prompt_len=5))
+    finally:
+        unpatch(model)
+    assert report.passed and not report.rolled_back, report
+    assert report.constant_parameters  # the checkpoint's initial norm weights: gated a second time, redrawn
