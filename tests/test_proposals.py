@@ -1,5 +1,6 @@
 """Proposals rank the catalog against real H200 attribution tables, without double counting."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -47,8 +48,13 @@ def test_recipes_for_other_architectures_are_not_proposed(catalog):
     names = [p.recipe for p in proposals]
     assert names[0] == "decode_attention"
     assert "gate_up_swiglu" not in names and "swiglu" not in names  # dense-MLP recipes; qwen3_moe is not theirs
-    # Only the architecture-independent recipe applies to a model type no recipe names.
-    assert [p.recipe for p in propose(catalog, _kernels("qwen3-0.6b_eager_C1.json.gz"), "gemma3")] == ["greedy_sample"]
+    # A model type no recipe names gets the recipes that list no architectures (they find their sites by structure,
+    # and the gate decides), and one a recipe excludes does not get it.
+    unlisted = {r.name for r in catalog.values() if "*" in r.architectures}
+    got = [p.recipe for p in propose(catalog, _kernels("qwen3-0.6b_eager_C1.json.gz"), "gemma3")]
+    assert "decode_attention" in got and "rmsnorm" in got and set(got) <= unlisted, got
+    excluding = {**catalog, "rmsnorm": dataclasses.replace(catalog["rmsnorm"], excluded=("gemma3",))}
+    assert "rmsnorm" not in [p.recipe for p in propose(excluding, _kernels("qwen3-0.6b_eager_C1.json.gz"), "gemma3")]
 
 
 def test_analyze_prints_proposals_for_a_model_type():

@@ -28,12 +28,19 @@ def recipes(ctx, recipes_dir, as_json):
         print_json([asdict(r) for r in catalog.values()])
         return
     table = Table(title=f"optiq recipes ({len(catalog)})")
-    for column in ("recipe", "fixes (role: classes)", "kernels saved/layer", "architectures", "patches", "tolerance"):
+    for column in ("recipe", "fixes (role: classes)", "kernels saved/layer", "tried on", "patches", "tolerance"):
         table.add_column(column, overflow="fold")
     for r in catalog.values():
         table.add_row(r.name, f"{', '.join(r.roles)}: {', '.join(r.op_classes)}", str(r.kernels_saved_per_layer),
-                      ", ".join(r.architectures), f"{r.patch_kind} {r.target_label}", r.tolerance)
+                      _where(r), f"{r.patch_kind} {r.target_label}", r.tolerance)
     out.print(table)
+
+
+def _where(recipe) -> str:
+    """The model types a recipe is tried on, as a person reads them."""
+    if "*" not in recipe.architectures:
+        return ", ".join(recipe.architectures)
+    return "every model" + (f" but {', '.join(recipe.excluded)}" if recipe.excluded else "")
 
 
 @recipes.command()
@@ -52,7 +59,7 @@ def show(name, recipes_dir, as_json):
     out.print(f"[bold]{r.name}[/bold] ({r.path})\n{r.summary}\n")
     out.print(f"fixes      roles {', '.join(r.roles)}; op classes {', '.join(r.op_classes)}; aten ops "
               f"{', '.join(r.aten_ops)}; saves {r.kernels_saved_per_layer} kernels per layer")
-    out.print(f"applies to {', '.join(r.architectures)}")
+    out.print(f"tried on   {_where(r)}")
     out.print(f"patches    {r.patch_kind}: {r.target_label} with {r.patch_with}")
     out.print(f"fusion     {r.fusion}")
     out.print(f"tolerance  {r.tolerance}: {TOLERANCES[r.tolerance]}")
