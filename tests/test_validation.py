@@ -220,12 +220,12 @@ def test_one_fp32_reference_decode_serves_every_concurrency(monkeypatch):
                         lambda *a, **k: decodes.append(k.get("dtype")) or plain_decode(*a, **k))
     try:  # the sampler is a function patch, global to the process
         report = validate(patches, GatePlan(**FAST))
+        assert report.passed and decodes.count(torch.float32) == 1, decodes
         found, *_ = baselines(patches, GatePlan((1, 2), 3, 5))
         with torch.inference_mode(), patches.suspended():
             alone, alone_picks = plain_decode(model, found[1].prompt, 3, None, [], dtype=torch.float32)
     finally:
         unpatch(model)
-    assert report.passed and decodes.count(torch.float32) == 1, decodes
     torch.testing.assert_close(found[1].want, alone, rtol=1e-5, atol=1e-5)
     assert torch.equal(found[1].picks, alone_picks)
 

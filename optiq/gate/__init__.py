@@ -7,8 +7,8 @@ with the bounds of ``rules``:
    unpatched model at each concurrency of the plan, at its longest context and a position short of it
    (``plan.capture_points``, ``capture``), run through the original and the fused path (twice), each compared with
    the original path in float64; at the first point also with the inputs scaled down to where a norm's eps
-   matters. A model with constant parameters (a checkpoint's
-   all-ones norm weights) is checked a second time with them redrawn (``models.constants_redrawn``).
+   matters. A model with constant parameters (a checkpoint's all-ones norm weights) is checked a second time with
+   them redrawn (``models.constants_redrawn``).
 2. End to end (``end_to_end``): teacher-forced greedy decode at every concurrency of the plan (``plan``), in the
    engine mode that will be measured, against an fp32 reference.
 
