@@ -3,7 +3,6 @@ verify`` to gate recipes and their kernels' mutants on a model."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 
 import click
@@ -118,10 +117,13 @@ def verify(names, model_spec, dtype, device, concurrency, prompt_len, max_len, g
         model = load_model(model_spec, torch_dtype, device)
     results: dict = {}
 
+    def document() -> dict:
+        return {"args": args, "recipes": {n: r if isinstance(r, str) else asdict(r) | {"score": r.summary().score}
+                                          for n, r in results.items()}}
+
     def save(name, result) -> None:
         results[name] = result
-        write_json(run.path / "verify.json", {"args": args, "recipes": {
-            n: r if isinstance(r, str) else asdict(r) | {"score": r.score} for n, r in results.items()}})
+        write_json(run.path / "verify.json", document())
 
     try:
         with err.status("gating") as status:
@@ -134,12 +136,11 @@ def verify(names, model_spec, dtype, device, concurrency, prompt_len, max_len, g
         stop_interrupted(run, f"{len(results)} recipe(s)", recipes_done=len(results))
     run.finish("complete", recipes_done=len(results))
     if as_json:
-        print_json({"run_dir": str(run.path), **json.loads((run.path / "verify.json").read_text())})
+        print_json({"run_dir": str(run.path), **document()})
     else:
         out.print(mutation_table(results, f"optiq recipes verify · {model_spec} · {args['dtype']}"))
         out.print(f"run directory: {run.path}")
-    survived = sum(1 for r in results.values() if not isinstance(r, str)
-                   for m in r.mutants if m.status == "survived")
+    survived = sum(len(r.summary().survived) for r in results.values() if not isinstance(r, str))
     rejected = [n for n, r in results.items() if not isinstance(r, str) and r.real != "passed"]
     if survived or rejected:
         raise OptiqError(f"{survived} mutant(s) survived the gate" + (f"; real kernels rejected: {', '.join(rejected)}"

@@ -110,8 +110,8 @@ def mutation_table(results: dict, title: str) -> Table:
         if isinstance(result, str):
             table.add_row(name, f"not applicable: {result}", "", "", "", "")
             continue
-        survived = [m.name for m in result.mutants if m.status == "survived"]
-        score = "" if result.score is None else f"{100 * result.score:.0f}%"
-        table.add_row(name, result.real, str(result.killed), ", ".join(survived) or "0", score,
+        summary = result.summary()
+        score = "" if summary.score is None else f"{100 * summary.score:.0f}%"
+        table.add_row(name, result.real, str(summary.killed), ", ".join(summary.survived) or "0", score,
                       f"{result.seconds:.0f}")
     return table

@@ -64,21 +64,11 @@ class RecipeMutation:
     mutants: list[MutantResult] = field(default_factory=list)
     seconds: float = 0.0
 
-    @property
-    def killed(self) -> int:
-        return sum(m.status == "killed" for m in self.mutants)
-
-    @property
-    def counted(self) -> int:
-        return sum(m.status != "unchanged" for m in self.mutants)
-
-    @property
-    def score(self) -> float | None:
-        return self.killed / self.counted if self.counted else None
-
     def summary(self) -> MutationScore:
-        return MutationScore(self.killed, self.counted, [m.name for m in self.mutants if m.status == "survived"],
-                             self.real)
+        """The counts the run record keeps (its ``score`` is the mutation score)."""
+        return MutationScore(sum(m.status == "killed" for m in self.mutants),
+                             sum(m.status != "unchanged" for m in self.mutants),
+                             [m.name for m in self.mutants if m.status == "survived"], self.real)
 
 
 def _argument_mutant(name: str, bug: str, change: Callable[[inspect.BoundArguments], bool]) -> Mutant:
@@ -141,7 +131,7 @@ def _weight_forgotten(bound):
             neutral = torch.zeros_like(value) if bound.arguments.get("offset") else torch.ones_like(value)
             altered.append(value.ne(neutral).any())
             bound.arguments[key] = neutral
-    return torch.stack(altered).any() if altered else False
+    return _any(altered)
 
 
 def _bias_forgotten(bound):
@@ -292,7 +282,8 @@ def verify(model: torch.nn.Module, recipes: list, plan: GatePlan, with_mutants: 
         result.seconds = time.perf_counter() - started
         results[recipe.name] = result
         if with_mutants:
-            progress(f"{recipe.name}: {result.killed} of {result.counted} mutants killed")
+            score = result.summary()
+            progress(f"{recipe.name}: {score.killed} of {score.counted} mutants killed")
         done(recipe.name, result)
     return results
 

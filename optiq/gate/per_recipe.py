@@ -6,11 +6,12 @@ accumulator) shows on its second call even at a single site. With ``scaled``, ev
 floating runs a second time with its activations (its first input and its KV cache) scaled by ``SMALL_SCALE``:
 activations that small reach the regime where a norm's eps is a good part of its result (a forgotten eps changes a
 result by ~eps / mean(x^2), a millionth at the model's own activations, below one bf16 rounding). A power of two
-scales exactly, so the scaled input is as representable as the captured one. Sites with integer outputs (routers, samplers) are left out: scaling their
-inputs would not change which ids are picked, only create near-ties."""
+scales exactly, so the scaled input is as representable as the captured one. Sites with integer outputs (routers,
+samplers) are left out: scaling their inputs would not change which ids are picked, only create near-ties."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import closing
 from dataclasses import dataclass
@@ -132,9 +133,6 @@ def combine(first: RecipeVerdict, second: RecipeVerdict) -> RecipeVerdict:
     came closer to its bound; calls summed, margin the larger, seconds summed."""
     worse = second if not second.passed or (first.passed and second.err_fused - second.bound >
                                             first.err_fused - first.bound) else first
-    merged = RecipeVerdict(**{**vars(worse)})
-    merged.calls = first.calls + second.calls
-    merged.seconds = first.seconds + second.seconds
     margins = [m for m in (first.margin, second.margin) if not math.isnan(m)]
-    merged.margin = max(margins) if margins else math.nan
-    return merged
+    return dataclasses.replace(worse, calls=first.calls + second.calls, seconds=first.seconds + second.seconds,
+                               margin=max(margins) if margins else math.nan)
