@@ -112,9 +112,9 @@ def verify(names, model_spec, dtype, device, concurrency, prompt_len, max_len, g
     torch_dtype = resolve_dtype(dtype or default_dtype(device), device)
     args = dict(model=model_spec, dtype=str(torch_dtype).removeprefix("torch."), recipes=[r.name for r in chosen],
                 mutants=with_mutants, **vars(plan))
-    run = RunDir(runs_dir, "verify", args)
-    with err.status(f"loading {model_spec}"):
+    with err.status(f"loading {model_spec}"):  # before the run directory: a model that cannot load leaves none
         model = load_model(model_spec, torch_dtype, device)
+    run = RunDir(runs_dir, "verify", args)
     results: dict = {}
 
     def document() -> dict:
