@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from optiq.engine import cache_layout
 from optiq.rundir import write_json
 from optiq.measure.timing import Timer
 
@@ -80,12 +79,35 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> float:
     return total
 
 
+def cache_layout(config) -> tuple[int, int, int] | None:
+    """(heads, key width, value width) of one attention layer's cache, or None where the config does not say (widths
+    that vary by layer, a model without attention). MLA models (DeepSeek-V2/V3) cache their compressed latent as one
+    head: the kv_lora_rank-wide latent where keys go and the shared rope key where values go."""
+    if getattr(config, "kv_lora_rank", None):
+        return 1, config.kv_lora_rank, config.qk_rope_head_dim
+    try:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return getattr(config, "num_key_value_heads", None) or heads, head_dim, head_dim
+    except Exception:  # noqa: BLE001 - per-layer widths (transformers raises its own error for those), no heads
+        return None
+
+
 def kv_bytes_per_step(model: torch.nn.Module, batch: int, length: float) -> float:
-    """KV-cache bytes attention must read when each of ``batch`` sequences holds ``length`` positions."""
+    """KV-cache bytes attention must read when each of ``batch`` sequences holds ``length`` positions: a sliding
+    layer reads its window only, a layer that is not attention nothing. Where the widths are unknown, 0 (the floor
+    is then the weights', still a bound no step beats)."""
     config = model.config.get_text_config(decoder=True)
-    heads, key_width, value_width = cache_layout(config)
+    layout = cache_layout(config)
+    if layout is None:
+        return 0.0
+    heads, key_width, value_width = layout
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None) or length
+    positions = sum(min(length, window) if kind == "sliding_attention" else length
+                    for kind in types if kind in ("full_attention", "sliding_attention", "chunked_attention"))
     element = next(model.parameters()).element_size()
-    return config.num_hidden_layers * batch * heads * (key_width + value_width) * length * element
+    return batch * heads * (key_width + value_width) * positions * element
 
 
 def floor_ms_per_step(model: torch.nn.Module, batch: int, mean_length: float, bandwidth: float) -> float:
