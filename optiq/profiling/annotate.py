@@ -62,11 +62,17 @@ def _wrap(func, name: str):
     return wrapper
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: its module list as long as the config's layer count (``model.layers`` in most of
+    transformers, ``transformer.h`` in GPT-2's family, ``backbone.layers`` in Mamba's), found without names."""
+    count = model.config.get_text_config(decoder=True).num_hidden_layers
+    return next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count), [])
+
+
 def module_roles(model: torch.nn.Module) -> dict[str, str]:
     """Qualified submodule name -> range name, for decoder layers and every module with a known role."""
     names = {}
-    layers = model.get_decoder().layers
-    layer_ids = {id(layer): i for i, layer in enumerate(layers)}
+    layer_ids = {id(layer): i for i, layer in enumerate(decoder_layers(model))}
     for qualified, module in model.named_modules():
         if id(module) in layer_ids:
             names[qualified] = f"optiq/layer/{layer_ids[id(module)]}"
@@ -92,7 +98,8 @@ def annotated(model: torch.nn.Module, engine=None):
     if engine is not None:
         patch(engine.cache, "update", "optiq/role/kv_write")
         patch(sys.modules[type(engine).__module__], "sample_greedy", "optiq/role/sampling")
-    modeling = {type(layer.self_attn).__module__ for layer in model.get_decoder().layers}
+    modeling = {type(module).__module__ for module in model.modules()
+                if type(module).__module__.startswith("transformers.models.")}
     for module_name in sorted(modeling | {"transformers.integrations.sdpa_attention"}):
         module = sys.modules.get(module_name)
         for function, role in (("apply_rotary_pos_emb", "rope"), ("apply_rotary_emb", "rope"),
