@@ -32,6 +32,19 @@ TINY = {
 LAYERS = 2
 
 
+def config_value(config, *names: str):
+    """The first of ``names`` the config sets to something truthy, or None. Reading a per-layer attribute of a
+    heterogeneous config (Gemma-4's head_dim) raises transformers' own error; here it is just not set."""
+    for name in names:
+        try:
+            value = getattr(config, name, None)
+        except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError and kin
+            value = None
+        if value:
+            return value
+    return None
+
+
 def decoder_only_text_types() -> list[str]:
     """The causal-LM model types that are decoder-only text models, sorted."""
     kept = []
@@ -69,18 +82,18 @@ def tiny_config(model_type: str):
         raise OptiqError(f"{model_type}'s default config does not build: {_first_line(exc)}") from None
     fields = _fields(config_class) | set(vars(default))
     widths = {name: value for name, value in TINY.items() if name in fields}
-    if getattr(default, "num_experts_per_tok", 0) and "num_experts_per_tok" in widths:
+    if config_value(default, "num_experts_per_tok") and "num_experts_per_tok" in widths:
         widths["num_experts_per_tok"] = min(widths["num_experts_per_tok"], default.num_experts_per_tok)
-    if getattr(default, "kv_lora_rank", None):  # MLA: one KV head per query head, the head_dim its rope's
+    if config_value(default, "kv_lora_rank"):  # MLA: one KV head per query head, the head_dim its rope's
         widths.update({name: value for name, value in (("num_key_value_heads", TINY["num_attention_heads"]),
                                                        ("head_dim", TINY["qk_rope_head_dim"])) if name in widths})
-    if "rotary_dim" in fields and getattr(default, "rotary_dim", None):  # GPT-J, CodeGen: rotary dims of a head
+    if "rotary_dim" in fields and config_value(default, "rotary_dim"):  # GPT-J, CodeGen: rotary dims of a head
         widths["rotary_dim"] = TINY["head_dim"] // 2
     vocab = TINY["vocab_size"]
     depth = {"vocab_size": vocab, **{name: 0 for name in ("pad_token_id", "bos_token_id", "eos_token_id")
-                                     if isinstance(getattr(default, name, None), int)
-                                     and getattr(default, name) >= vocab}}
-    default_types = list(getattr(default, "layer_types", None) or [])
+                                     if isinstance(config_value(default, name), int)
+                                     and config_value(default, name) >= vocab}}
+    default_types = list(config_value(default, "layer_types") or [])
     kinds = list(dict.fromkeys(default_types))
     # One layer of each type where the config takes a list; where the types follow from offsets and periods
     # (Jamba), as many layers as it takes for each type to appear.

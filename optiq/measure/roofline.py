@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from optiq.rundir import write_json
+from optiq.zoo import config_value
 from optiq.measure.timing import Timer
 
 
@@ -83,14 +84,13 @@ def cache_layout(config) -> tuple[int, int, int] | None:
     """(heads, key width, value width) of one attention layer's cache, or None where the config does not say (widths
     that vary by layer, a model without attention). MLA models (DeepSeek-V2/V3) cache their compressed latent as one
     head: the kv_lora_rank-wide latent where keys go and the shared rope key where values go."""
-    if getattr(config, "kv_lora_rank", None):
+    if config_value(config, "kv_lora_rank"):
         return 1, config.kv_lora_rank, config.qk_rope_head_dim
-    try:
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return getattr(config, "num_key_value_heads", None) or heads, head_dim, head_dim
-    except Exception:  # noqa: BLE001 - per-layer widths (transformers raises its own error for those), no heads
+    heads, hidden = config_value(config, "num_attention_heads"), config_value(config, "hidden_size")
+    head_dim = config_value(config, "head_dim") or (hidden // heads if heads and hidden else None)
+    if not heads or not head_dim:
         return None
+    return config_value(config, "num_key_value_heads") or heads, head_dim, head_dim
 
 
 def kv_bytes_per_step(model: torch.nn.Module, batch: int, length: float) -> float:
@@ -102,8 +102,8 @@ def kv_bytes_per_step(model: torch.nn.Module, batch: int, length: float) -> floa
     if layout is None:
         return 0.0
     heads, key_width, value_width = layout
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    window = getattr(config, "sliding_window", None) or length
+    types = config_value(config, "layer_types") or ["full_attention"] * config.num_hidden_layers
+    window = config_value(config, "sliding_window") or length
     positions = sum(min(length, window) if kind == "sliding_attention" else length
                     for kind in types if kind in ("full_attention", "sliding_attention", "chunked_attention"))
     element = next(model.parameters()).element_size()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from optiq.patching.structure import EPS_ATTRIBUTES
+from optiq.zoo import config_value
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
 
@@ -53,17 +54,6 @@ def _computes(module: torch.nn.Module) -> bool:
     return any(p.dim() >= 2 for p in module.parameters())
 
 
-def _text_config_value(config, *names):
-    for name in names:
-        try:
-            value = getattr(config, name, None)
-        except Exception:  # noqa: BLE001 - per-layer attributes raise transformers' own error
-            value = None
-        if value:
-            return value
-    return None
-
-
 def module_roles(model: torch.nn.Module) -> dict[str, str]:
     """Qualified submodule name -> role, for every module whose role the structure shows (module docstring)."""
     config = model.config.get_text_config(decoder=True)
@@ -72,7 +62,7 @@ def module_roles(model: torch.nn.Module) -> dict[str, str]:
     for module, role in ((model.get_input_embeddings(), "embed"), (model.get_output_embeddings(), "lm_head")):
         if module is not None and id(module) in names:
             roles[names[id(module)]] = role
-    layer_types = list(_text_config_value(config, "layer_types") or [])
+    layer_types = list(config_value(config, "layer_types") or [])
     for index, layer in enumerate(decoder_layers(model)):
         kind = layer_types[index] if index < len(layer_types) else "attention"
         _layer_roles(layer, names[id(layer)], kind, config, roles)
@@ -115,9 +105,9 @@ def _widths(module: torch.nn.Module) -> tuple[int, int]:
 
 def _attention_roles(attn: torch.nn.Module, prefix: str, config, roles: dict[str, str]) -> None:
     projections = [(name, m) for name, m in attn.named_modules() if name and _is_projection(m)]
-    latent = _text_config_value(config, "kv_lora_rank")
-    head_dim = _text_config_value(config, "head_dim", "qk_head_dim")
-    hidden = _text_config_value(config, "hidden_size")
+    latent = config_value(config, "kv_lora_rank")
+    head_dim = config_value(config, "head_dim", "qk_head_dim")
+    hidden = config_value(config, "hidden_size")
     # o_proj writes the residual stream: of the projections as wide as it, the one registered last (Llama's q_proj is
     # as wide too; Phi-3 registers o_proj before qkv_proj)
     back = [name for name, m in projections if _widths(m)[1] == hidden] or [name for name, _ in projections[1:]]
@@ -136,7 +126,7 @@ def _attention_roles(attn: torch.nn.Module, prefix: str, config, roles: dict[str
 
 
 def _mlp_roles(mlp: torch.nn.Module, prefix: str, config, roles: dict[str, str]) -> None:
-    experts = _text_config_value(config, "num_experts", "num_local_experts", "n_routed_experts")
+    experts = config_value(config, "num_experts", "num_local_experts", "n_routed_experts")
     if not experts:
         return
     found_experts = []
