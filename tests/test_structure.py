@@ -101,3 +101,34 @@ def test_a_swiglu_kernel_that_ignores_the_activation_is_rolled_back_on_geglu(tmp
         finally:
             unpatch(model)
         assert (recipe.name not in report.rolled_back) == passes, report.recipes[recipe.name]
+
+
+def test_a_recipe_whose_sites_never_run_in_decode_is_rolled_back_not_passed():
+    """AXK1 rotates with a function of its own: the llama-style apply_rotary_pos_emb its module also defines is
+    patched but never called, so the gate has nothing to check and must not report a pass."""
+    model = load_model("tiny:axk1", torch.float32, torch.device("cpu"))
+    patches = apply(model, [load_catalog()["rope"]])
+    try:
+        assert list(patches.applied) == ["rope"], patches.not_applicable
+        report = validate(patches, GatePlan((2,), steps=3, prompt_len=5))
+    finally:
+        unpatch(model)
+    assert report.rolled_back == ["rope"] and report.recipes["rope"].calls == 0
+    assert "no call in a decode step" in report.recipes["rope"].reason
+
+
+@pytest.mark.parametrize("spec, names", [
+    ("tiny:gpt_neox", ["rope", "decode_attention"]),  # partial rotary: a quarter of each head rotated
+    ("tiny:glm4_moe_lite", ["decode_attention"]),  # MLA values narrower than keys: those calls go to sdpa
+])
+def test_variants_the_kernels_handle_or_hand_back_pass_the_gate(spec, names):
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+    catalog = load_catalog()
+    patches = apply(model, [catalog[n] for n in names])
+    try:
+        assert list(patches.applied) == names, patches.not_applicable
+        report = validate(patches, GatePlan((2,), steps=3, prompt_len=5))
+    finally:
+        unpatch(model)
+    assert not report.rolled_back and report.passed, report.recipes
+    assert all(report.recipes[n].calls > 0 for n in names)
