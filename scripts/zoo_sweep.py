@@ -63,7 +63,7 @@ def _one_line(stderr: str) -> str:
 
 def _run(args: list[str], cwd: str) -> tuple[int, dict | None, str]:
     """(exit code, the JSON it printed, the last line it wrote to stderr) of ``python args``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}
     try:
         done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
                               cwd=cwd)
@@ -128,7 +128,7 @@ def table(rows: list[dict], header: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--types", help="model types, comma-separated (default: every decoder-only text type)")
-    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="types swept at once, one core each")
     parser.add_argument("--out", default=str(ROOT / "docs" / "zoo"))
     parser.add_argument("--check", help=argparse.SUPPRESS)  # one type's decode check, in its own process
     args = parser.parse_args()
