@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from optiq.fusions.activation import activation_index, activation_reference, gated_activation
 from optiq.fusions.launch import launch_options, wait_for_predecessor
 
 
@@ -65,9 +66,9 @@ def _gate_up_gemm_swiglu_kernel(
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    ACTIVATION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Output tile [BLOCK_M, BLOCK_N] of silu(gate) * up; its weight tile is 2 * BLOCK_N interleaved rows.
+    """Output tile [BLOCK_M, BLOCK_N] of act(gate) * up; its weight tile is 2 * BLOCK_N interleaved rows.
 
     Program ids run over M fastest, so the M tiles that share a weight tile run together and share it through L2.
     """
@@ -80,7 +81,7 @@ def _gate_up_gemm_swiglu_kernel(
     acc = stream_dot(x_ptr, w_ptr, rows, w_rows, M, 2 * N, K, stride_xm, stride_xk, stride_wn, stride_wk,
                      BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP32_DOT)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    out = gate * tl.sigmoid(gate) * up
+    out = gated_activation(gate, ACTIVATION) * up
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
@@ -101,7 +102,7 @@ def _tile_config(rows: int, intermediate: int) -> dict:
 
 
 @torch.library.triton_op("optiq::gate_up_swiglu", mutates_args=())
-def _gate_up_swiglu_op(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+def _gate_up_swiglu_op(x: torch.Tensor, w_gate_up: torch.Tensor, activation: int) -> torch.Tensor:
     hidden = x.shape[-1]
     intermediate = w_gate_up.shape[0] // 2
     x2d = x.reshape(-1, hidden)
@@ -113,24 +114,26 @@ def _gate_up_swiglu_op(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor
     torch.library.wrap_triton(_gate_up_gemm_swiglu_kernel)[grid](
         x2d, w_gate_up, out2d, rows, intermediate, hidden,
         *x2d.stride(), *w_gate_up.stride(), *out2d.stride(),
-        FP32_DOT=fp32_dot(x.dtype), **config, **launch_options(x),
+        FP32_DOT=fp32_dot(x.dtype), ACTIVATION=activation, **config, **launch_options(x),
     )
     return out
 
 
-def gate_up_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
-    """x [..., H], w_gate_up [2I, H] from interleave_gate_up -> silu(gate) * up [..., I], in x's dtype.
+def gate_up_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """x [..., H], w_gate_up [2I, H] from interleave_gate_up -> act(gate) * up [..., I], in x's dtype (act: silu,
+    or gelu_tanh for GeGLU).
 
     Accumulates and applies SwiGLU in fp32, rounding once at the end (eager rounds gate and up to the model dtype).
     """
     if w_gate_up.shape[0] % 2 or w_gate_up.shape[1] != x.shape[-1]:
         raise ValueError(f"w_gate_up {tuple(w_gate_up.shape)} is not [2I, {x.shape[-1]}]")
-    return torch.ops.optiq.gate_up_swiglu(x, w_gate_up)
+    return torch.ops.optiq.gate_up_swiglu(x, w_gate_up, activation_index(activation))
 
 
-def gate_up_swiglu_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """HF LlamaMLP up to down_proj, in x's dtype."""
-    return F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
+def gate_up_swiglu_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                             activation: str = "silu") -> torch.Tensor:
+    """HF LlamaMLP (GemmaMLP for gelu_tanh) up to down_proj, in x's dtype."""
+    return activation_reference(F.linear(x, w_gate), activation) * F.linear(x, w_up)
 
 
 def benchmark_case(rows: int, dtype: torch.dtype, device, *, hidden: int = 4096, intermediate: int = 14336) -> dict:

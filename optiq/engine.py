@@ -9,16 +9,19 @@ tensors that the step itself advances: the cache's per-layer fill counters (tran
 
 from __future__ import annotations
 
+import copy
 import inspect
 from contextlib import contextmanager
 from typing import Callable
 
 import torch
-from transformers import StaticCache
+from transformers import Cache, StaticCache
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from optiq.errors import OptiqError
 
 WARMUP_STEPS = 3
+OWN_CACHE_OUTPUTS = ("past_key_values", "cache_params", "cache", "state", "mems")  # where models return their state
 
 
 class CaptureError(OptiqError):
@@ -26,17 +29,64 @@ class CaptureError(OptiqError):
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
-    """transformers 5.24 renamed ``past_key_values=`` to ``cache=``; earlier 5.x knows only the old name."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    """The name the model's forward takes its cache by: ``cache`` from transformers 5.24, ``past_key_values`` before,
+    ``cache_params`` for some recurrent models."""
+    params = inspect.signature(model.forward).parameters
+    return next((name for name in ("cache", "past_key_values", "cache_params") if name in params), "past_key_values")
 
 
-def cache_layout(config) -> tuple[int, int, int]:
-    """(heads, key width, value width) of one layer's cache. MLA models (DeepSeek-V2/V3) cache their compressed latent
-    as one head: the kv_lora_rank-wide latent where keys go and the shared rope key where values go."""
-    if getattr(config, "kv_lora_rank", None):
-        return 1, config.kv_lora_rank, config.qk_rope_head_dim
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_key_value_heads, head_dim, head_dim
+def static_cache(model: torch.nn.Module, max_len: int) -> tuple[Cache | None, str]:
+    """transformers' StaticCache for the model with every attention layer a full-length StaticLayer, or None and why
+    not when the model has layers no StaticLayer holds (recurrent, linear attention, a layer type StaticCache does
+    not know), does not take such a cache, or keeps its state elsewhere. What the model can take is found once, by
+    a two-token forward on a cache of four positions, and kept on the model.
+
+    A sliding-window or chunked layer becomes a full-length layer too: the model's masks apply the window or the
+    chunk whatever the cache's length, and transformers' sliding layer keeps its fill on the host and rolls its
+    buffer with a host-made index, which a CUDA graph cannot capture and ``seek`` cannot rewind."""
+    config = model.config.get_text_config(decoder=True)
+    why_not = model.__dict__.get("_optiq_why_not_static")
+    if why_not is None:
+        why_not = _probe_static(model, config)
+        model.__dict__["_optiq_why_not_static"] = why_not
+    return (_full_length_cache(config, max_len)[0], "") if not why_not else (None, why_not)
+
+
+def _full_length_cache(config, max_len: int) -> tuple[Cache | None, str]:
+    try:
+        cache = StaticCache(config=config, max_cache_len=max_len)
+    except Exception as exc:  # noqa: BLE001 - a layer type StaticCache does not know
+        return None, f"transformers' StaticCache cannot hold it ({type(exc).__name__}: {_first_line(exc)})"
+    layers = []
+    for layer in cache.layers:
+        if isinstance(layer, StaticSlidingWindowLayer):
+            layer = StaticLayer(max_cache_len=max_len)
+        elif not (isinstance(layer, StaticLayer) or type(layer).__name__ == "DummyLayer"):  # a dummy stores nothing
+            return None, f"its {type(layer).__name__}s are not attention layers a static cache holds"
+        layers.append(layer)
+    cache.layers = layers
+    return cache, ""
+
+
+@torch.inference_mode()
+def _probe_static(model: torch.nn.Module, config) -> str:
+    cache, why_not = _full_length_cache(config, 4)
+    if cache is None:
+        return why_not
+    device = next(model.parameters()).device
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
+    try:
+        model(input_ids=tokens, position_ids=torch.arange(2, device=device)[None], use_cache=True,
+              **{_cache_kwarg(model): cache})
+    except Exception as exc:  # noqa: BLE001 - whatever the model's code raises on a cache it does not take
+        return f"its forward does not take transformers' StaticCache ({type(exc).__name__}: {_first_line(exc)})"
+    if not any(getattr(layer, "is_initialized", False) for layer in cache.layers):
+        return "it keeps its state outside transformers' cache"
+    return ""
+
+
+def _first_line(exc: BaseException) -> str:
+    return next(iter(str(exc).splitlines()), "")
 
 
 def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -47,40 +97,58 @@ def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 class DecodeEngine:
-    """Decode ``batch`` sequences of one model with a static cache of ``max_len`` positions.
+    """Decode ``batch`` sequences of one model with a cache of ``max_len`` positions.
 
-    ``forward`` replaces the model's own call in decode steps (e.g. a torch.compile'd forward); prefill always runs
-    the model itself. ``dtype`` is the cache's, the model's own unless it computes in another (validation's reference).
+    The cache is transformers' StaticCache wherever every layer is attention (``static_cache``): its fill counters
+    are device tensors, so a step can be captured in a CUDA graph and ``seek`` can move every sequence to any
+    length. Any other model (recurrent or linear-attention layers, caches of its own) decodes in eager mode with the
+    cache it returns from the prefill, which ``seek`` can only rewind to the end of the prefill (from a copy kept
+    then). ``forward`` replaces the model's own call in decode steps (e.g. a torch.compile'd forward); prefill always
+    runs the model itself.
     """
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, mode: str = "eager",
-                 forward: Callable | None = None, dtype: torch.dtype | None = None):
+                 forward: Callable | None = None):
         if mode not in ("eager", "graph"):
             raise ValueError(f"mode must be 'eager' or 'graph', not {mode!r}")
         if mode == "graph" and not torch.cuda.is_available():
             raise ValueError("graph mode needs CUDA")
         self.model, self.batch, self.max_len, self.mode = model, batch, max_len, mode
         self.forward = forward or model
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, dtype or param.dtype
-        config = model.config.get_text_config(decoder=True)
-        self.cache = StaticCache(config=config, max_cache_len=max_len)
-        # Allocate the whole cache now: a concurrency that does not fit fails here, before any work. (Each layer is
-        # shown empty keys and values of its widths, as transformers' early_initialization does with equal widths.)
-        heads, key_width, value_width = cache_layout(config)
-        for layer in self.cache.layers:
-            layer.lazy_initialization(*(torch.empty(batch, heads, 0, width, dtype=self.dtype, device=self.device)
-                                        for width in (key_width, value_width)))
+        self.device = next(model.parameters()).device
+        self.cache, self.why_not_static = static_cache(model, max_len)
+        self._prefilled: tuple[int, Cache] | None = None  # (length, copy of the cache then): the own cache's rewind
+        self._params = set(inspect.signature(model.forward).parameters)
         self._cache_kw = _cache_kwarg(model)
+        self._takes = {"position_ids", "cache_position", "logits_to_keep"} & self._params
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.length = 0  # host copy of the filled length, for bounds and the roofline
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_logits: torch.Tensor | None = None
 
+    @property
+    def static(self) -> bool:
+        return self.why_not_static == ""
+
     def _model_call(self, fn: Callable, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        out = fn(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1,
-                           **{self._cache_kw: self.cache})
+        kwargs = {"use_cache": True}
+        if self.cache is not None:
+            kwargs[self._cache_kw] = self.cache
+        if "position_ids" in self._takes:
+            kwargs["position_ids"] = position_ids
+        if "cache_position" in self._takes and not self.static:  # recurrent models index their conv state by it
+            kwargs["cache_position"] = position_ids[0]
+        if "logits_to_keep" in self._takes:
+            kwargs["logits_to_keep"] = 1
+        out = fn(input_ids=input_ids, **kwargs)
+        if not self.static:
+            returned = next((name for name in OWN_CACHE_OUTPUTS if getattr(out, name, None) is not None), None)
+            if returned is None:
+                raise OptiqError(f"{type(self.model).__name__} returns no cache: optiq decodes only models that do")
+            self.cache = getattr(out, returned)
+            if returned in self._params:  # the model takes its state back under the name it returned it by
+                self._cache_kw = returned
         return out.logits[:, -1]
 
     @torch.inference_mode()
@@ -89,17 +157,30 @@ class DecodeEngine:
         batch, length = prompt.shape
         if batch != self.batch or length >= self.max_len:
             raise ValueError(f"prompt {tuple(prompt.shape)} does not fit batch {self.batch}, max_len {self.max_len}")
-        self.seek(0)
+        if self.static:
+            self.seek(0)
+        else:
+            self.cache = None  # the model starts a cache of its own
         positions = torch.arange(length, device=self.device).expand(batch, length)
         logits = self._model_call(self.model, prompt.to(self.device), positions)
         self.tokens.copy_(sample_greedy(logits))
+        if not self.static:
+            self._prefilled, self.length = (length, copy.deepcopy(self.cache)), length
         self.seek(length)
         return logits
 
     def seek(self, length: int) -> None:
-        """Set the filled length of every sequence (the cache's counters and the next position) to ``length``."""
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(length)
+        """Set the filled length of every sequence (the cache's counters and the next position) to ``length``. A
+        model's own cache can only be rewound to the end of the prefill."""
+        if self.static:
+            for layer in self.cache.layers:
+                if hasattr(layer, "cumulative_length"):  # a dummy layer has none
+                    layer.cumulative_length.fill_(length)
+        elif self._prefilled is None or length != self._prefilled[0]:
+            raise OptiqError(f"{type(self.model).__name__}'s own cache cannot be rewound to {length} positions "
+                             f"({self.why_not_static})")
+        elif length != self.length:
+            self.cache = copy.deepcopy(self._prefilled[1])
         self.positions.fill_(length)
         self.length = length
 
@@ -113,7 +194,7 @@ class DecodeEngine:
     def step(self) -> torch.Tensor:
         """One decode step for the whole batch; returns this step's logits [batch, vocab]."""
         if self.length >= self.max_len:
-            raise RuntimeError(f"the static cache is full ({self.max_len} positions)")
+            raise RuntimeError(f"the cache is full ({self.max_len} positions)")
         if self.mode == "graph":
             if self.graph is None:
                 self._capture()
@@ -126,6 +207,9 @@ class DecodeEngine:
 
     def _capture(self) -> None:
         """Warm up on a side stream (as torch.cuda.graphs requires), capture one step, and rewind to where we were."""
+        if not self.static:
+            raise CaptureError(f"--mode graph cannot capture this model's decode step: {self.why_not_static}, so it "
+                               "decodes with the cache it makes itself, which a graph cannot hold")
         start, tokens = self.length, self.tokens.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -138,9 +222,7 @@ class DecodeEngine:
             with torch.cuda.graph(graph):
                 self.graph_logits = self._step()
         except RuntimeError as exc:
-            why = next(iter(str(exc).splitlines()), "")
-            raise CaptureError(f"--mode graph cannot capture this model's decode step ({why}); use --mode eager") \
-                from exc
+            raise CaptureError(f"--mode graph cannot capture this model's decode step ({_first_line(exc)})") from exc
         self.graph = graph
         self.seek(start)
         self.tokens.copy_(tokens)
@@ -149,6 +231,22 @@ class DecodeEngine:
         """Drop the graph and the cache so their memory can be reused by the next concurrency."""
         self.graph = self.graph_logits = None
         self.cache = None
+
+
+def graph_mode_problem(model: torch.nn.Module) -> str:
+    """Why graph mode cannot run the model's decode steps ("" when it can): the model decodes with a cache of its
+    own, or a step at batch 1 does not capture. Callers fall back to eager mode with this line."""
+    cache, why_not = static_cache(model, 1)
+    if cache is None:
+        return (f"--mode graph cannot capture this model's decode step: {why_not}, so it decodes with the cache it "
+                "makes itself, which a graph cannot hold")
+    try:
+        with opened(model, 1, WARMUP_STEPS + 4, "graph") as engine:
+            engine.prefill(torch.zeros(1, 2, dtype=torch.long))
+            engine.step()
+    except CaptureError as exc:
+        return str(exc)
+    return ""
 
 
 @contextmanager

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV2Config, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
+from optiq import zoo
 from optiq.errors import OptiqError
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -103,16 +104,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def is_random(spec: str) -> bool:
+    """Whether ``spec`` names a model of seeded random weights (a preset or a tiny zoo config), not a checkpoint."""
+    return spec in PRESETS or spec.startswith(zoo.PREFIX)
+
+
 def load_config(spec: str):
-    """A preset name or a checkpoint directory -> its transformers config."""
+    """A preset name, ``tiny:<model_type>`` (optiq.zoo) or a checkpoint directory -> its transformers config."""
     if spec in PRESETS:
         return PRESETS[spec]()
+    if spec.startswith(zoo.PREFIX):
+        return zoo.tiny_config(spec.removeprefix(zoo.PREFIX))
     path = Path(spec)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise OptiqError(f"checkpoint directory {spec} has no config.json")
         return AutoConfig.from_pretrained(path, local_files_only=True)
-    raise OptiqError(f"unknown model '{spec}': not a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+    raise OptiqError(f"unknown model '{spec}': not a preset ({', '.join(PRESETS)}), {zoo.PREFIX}<model type> "
+                     "nor a checkpoint directory")
 
 
 def constant_parameters(model: torch.nn.Module) -> list[str]:
@@ -154,8 +163,12 @@ def random_model(config, dtype: torch.dtype, device: torch.device) -> torch.nn.M
     """The model of ``config`` in eval mode on ``device``, with weights drawn from the fixed seed and none left
     constant (``redraw_constants``)."""
     torch.manual_seed(SEED)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    except Exception as exc:  # noqa: BLE001 - the architecture's own constructor: one line, not its traceback
+        first = next(iter(str(exc).splitlines()), "")
+        raise OptiqError(f"{config.model_type} does not build: {type(exc).__name__}: {first}") from None
     redraw_constants(model)
     return model
 
@@ -163,7 +176,7 @@ def random_model(config, dtype: torch.dtype, device: torch.device) -> torch.nn.M
 def load_model(spec: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The model in eval mode on ``device``: seeded random weights for a preset, real ones for a checkpoint."""
     config = load_config(spec)
-    if spec in PRESETS:
+    if is_random(spec):
         model = random_model(config, dtype, device)
     else:
         try:

@@ -197,6 +197,7 @@ class RunRecord:
     fusion: Fusion | None = None  # none for a bench without --recipes
     attribution_before: dict[str, dict] = field(default_factory=dict)
     attribution_after: dict[str, dict] = field(default_factory=dict)
+    mode_note: str = ""  # why the run is in eager mode where graph mode was asked for
     schema: int = SCHEMA_VERSION
 
     def to_json(self) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +23,7 @@ import torch
 from optiq import compile_ahead
 from optiq.catalog.proposals import choose_recipes, propose_all
 from optiq.catalog.recipes import Recipe
+from optiq.engine import graph_mode_problem
 from optiq.errors import OptiqError
 from optiq.gate import GatePlan, validate
 from optiq.gate.mutants import verify
@@ -71,11 +72,13 @@ class SweepProgress:
 @dataclass
 class Hooks:
     """How the run is shown and kept: ``save(record)`` after every step that changed it, ``status(text)`` around a
-    long step, ``sweep(label, points)`` around a throughput sweep."""
+    long step, ``sweep(label, points)`` around a throughput sweep, ``note(line)`` for what the user must know of how the
+    run went (a fallback)."""
     save: Callable[[RunRecord], None] = lambda record: None
     status: Callable[[str], AbstractContextManager] = lambda text: nullcontext()
     sweep: Callable[[str, int], AbstractContextManager[SweepProgress]] = lambda label, points: nullcontext(
         SweepProgress())
+    note: Callable[[str], None] = lambda line: None
 
 
 def new_record(job: Job) -> RunRecord:
@@ -91,6 +94,13 @@ def run(job: Job, record: RunRecord, run_dir: Path, hooks: Hooks = Hooks()) -> N
     patches are global to the process, and a later run in it must measure models as they are."""
     with hooks.status(f"loading {job.model}"):
         model = load_model(job.model, job.dtype, job.device)
+    if job.mode == "graph":
+        with hooks.status("trying a CUDA-graph capture of one decode step"):
+            problem = graph_mode_problem(model)
+        if problem:
+            job = replace(job, mode="eager")
+            record.mode, record.mode_note = "eager", f"{problem}: measured in eager mode"
+            hooks.note(record.mode_note)
     bandwidth = copy_bandwidth(job.device)
     record.bandwidth_gb_s = bandwidth / 1e9
     hooks.save(record)

@@ -3,26 +3,32 @@
 import pytest
 import torch
 
-from optiq.engine import DecodeEngine
+from optiq.engine import DecodeEngine, graph_mode_problem
+from optiq.errors import OptiqError
 from optiq.models import load_model
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v2"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v2", "tiny:gemma3_text",
+                                        "tiny:qwen3_next", "tiny:mamba", "tiny:deepseek_v4"])
 def decoder(request):
-    """The tiny presets: llama-style GQA, a Qwen3 MoE, and DeepSeek-V2's MLA (its cache holds the compressed latent)."""
+    """The tiny presets: llama-style GQA, a Qwen3 MoE, and DeepSeek-V2's MLA (its cache holds the compressed latent);
+    and from the zoo Gemma-3 (sliding-window layers, a window of 32), Qwen3-Next (linear attention beside full
+    attention), Mamba (no attention) and DeepSeek-V4 (a layer type transformers' StaticCache does not know): the last
+    three decode with the cache they make themselves."""
     return load_model(request.param, torch.float32, torch.device("cpu"))
 
 
 def _prompt(model, batch, length, seed=1):
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config(decoder=True).vocab_size
     return torch.randint(vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @torch.inference_mode()
 def test_decode_matches_full_recompute(decoder):
-    """Each cached decode step's logits equal a cache-free forward over prompt + generated tokens."""
-    batch, prompt_len, steps = 3, 11, 6
-    engine = DecodeEngine(decoder, batch, max_len=32)
+    """Each cached decode step's logits equal a cache-free forward over prompt + generated tokens, past the sliding
+    window too (a prompt of 35 positions, a window of 32)."""
+    batch, prompt_len, steps = 3, 35, 6
+    engine = DecodeEngine(decoder, batch, max_len=48)
     prompt = _prompt(decoder, batch, prompt_len)
     engine.prefill(prompt)
     sequence = torch.cat([prompt, engine.tokens.clone()], dim=1)
@@ -33,7 +39,9 @@ def test_decode_matches_full_recompute(decoder):
         sequence = torch.cat([sequence, engine.tokens.clone()], dim=1)
     assert engine.length == prompt_len + steps
     assert torch.equal(engine.positions, torch.full((batch, 1), prompt_len + steps))
-    assert all(int(layer.cumulative_length) == prompt_len + steps for layer in engine.cache.layers)
+    if engine.static:
+        assert all(int(layer.cumulative_length) == prompt_len + steps for layer in engine.cache.layers)
+    assert engine.static == (decoder.config.model_type not in ("qwen3_next", "mamba", "deepseek_v4"))
 
 
 @torch.inference_mode()
@@ -61,6 +69,23 @@ def test_engine_refuses_to_overflow_the_cache():
         engine.step()
     with pytest.raises(ValueError, match="does not fit"):
         engine.prefill(_prompt(model, 1, 10))
+
+
+def test_own_cache_rewinds_only_to_the_prefill():
+    """A cache the model makes itself is rewound from the copy kept at the end of the prefill, nowhere else."""
+    model = load_model("tiny:mamba", torch.float32, torch.device("cpu"))
+    engine = DecodeEngine(model, 1, max_len=16)
+    engine.prefill(_prompt(model, 1, 8))
+    engine.step()
+    with pytest.raises(OptiqError, match="cannot be rewound to 5 positions"):
+        engine.seek(5)
+
+
+def test_graph_mode_problem_names_the_cache_a_graph_cannot_hold():
+    """A model decoding with its own cache gets graph mode's one-line reason without a capture being tried."""
+    model = load_model("tiny:mamba", torch.float32, torch.device("cpu"))
+    problem = graph_mode_problem(model)
+    assert "cannot capture" in problem and "LinearAttentionLayer" in problem and "\n" not in problem
 
 
 def test_graph_mode_needs_cuda():

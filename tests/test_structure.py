@@ -1,5 +1,6 @@
-"""Recipes find their sites by what modules compute: an RMSNorm of any class, with w or 1 + w, and models the
-catalog was not written for get recipes that the gate then keeps."""
+"""Recipes find their sites by what modules compute: an RMSNorm of any class, with w or 1 + w; a gated MLP with its
+projections apart or fused, SwiGLU or GeGLU; and models the catalog was not written for get recipes that the gate
+then keeps (or rolls back, for a kernel wrong on them)."""
 
 import pytest
 import torch
@@ -11,7 +12,9 @@ from optiq.catalog.recipes import load_catalog
 from optiq.gate import GatePlan, validate
 from optiq.models import load_model
 from optiq.patching import apply, unpatch
-from optiq.patching.structure import rms_norm
+from optiq.patching.structure import gated_mlp, rms_norm
+
+from wrong_kernels import user_recipe
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -60,3 +63,72 @@ def test_a_model_the_catalog_never_named_gets_recipes_the_gate_keeps(checkpoint)
         unpatch(model)
     assert report.passed and not report.rolled_back, report
     assert report.constant_parameters  # the checkpoint's initial norm weights: gated a second time, redrawn
+
+
+@pytest.mark.parametrize("spec, site", [
+    ("tiny-llama", dict(gate="gate_proj", up="up_proj", down="down_proj", fused="", activation="silu")),
+    ("tiny:phi3", dict(gate="", up="", down="down_proj", fused="gate_up_proj", gate_first=True, activation="silu")),
+    ("tiny:gemma3_text", dict(gate="gate_proj", up="up_proj", down="down_proj", activation="gelu_tanh")),
+])
+def test_gated_mlps_are_found_apart_or_fused_with_their_activation(spec, site):
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+    mlp = model.model.layers[0].mlp
+    found = gated_mlp(mlp)
+    assert found is not None and all(getattr(found, k) == v for k, v in site.items()), found
+    gate, up = found.gate_up_weights(mlp)
+    x = torch.randn(3, gate.shape[1])
+    act = torch.nn.functional.silu if found.activation == "silu" else (
+        lambda t: torch.nn.functional.gelu(t, approximate="tanh"))
+    torch.testing.assert_close(mlp(x), getattr(mlp, found.down)(act(x @ gate.T) * (x @ up.T)))
+
+
+def test_modules_that_are_not_gated_mlps_do_not_match():
+    gpt2 = load_model("tiny:gpt2", torch.float32, torch.device("cpu"))
+    assert gated_mlp(gpt2.transformer.h[0].mlp) is None  # c_fc, act, c_proj: not gated
+    assert gated_mlp(gpt2.transformer.h[0].attn) is None
+    assert gated_mlp(torch.nn.Linear(8, 8)) is None
+
+
+def test_a_swiglu_kernel_that_ignores_the_activation_is_rolled_back_on_geglu(tmp_path):
+    """Gemma's MLP is GeGLU: the built-in kernel, told so, passes; one that always computes silu is rejected."""
+    model = load_model("tiny:gemma3_text", torch.float32, torch.device("cpu"))
+    wrong = user_recipe(tmp_path, "swiglu", "swiglu_silu_only", fusion="wrong_kernels:swiglu_always_silu")
+    for recipe, passes in ((load_catalog()["swiglu"], True), (wrong, False)):
+        patches = apply(model, [recipe])
+        try:
+            assert list(patches.applied) == [recipe.name], patches.not_applicable
+            report = validate(patches, GatePlan((2,), steps=3, prompt_len=5))
+        finally:
+            unpatch(model)
+        assert (recipe.name not in report.rolled_back) == passes, report.recipes[recipe.name]
+
+
+def test_a_recipe_whose_sites_never_run_in_decode_is_rolled_back_not_passed():
+    """AXK1 rotates with a function of its own: the llama-style apply_rotary_pos_emb its module also defines is
+    patched but never called, so the gate has nothing to check and must not report a pass."""
+    model = load_model("tiny:axk1", torch.float32, torch.device("cpu"))
+    patches = apply(model, [load_catalog()["rope"]])
+    try:
+        assert list(patches.applied) == ["rope"], patches.not_applicable
+        report = validate(patches, GatePlan((2,), steps=3, prompt_len=5))
+    finally:
+        unpatch(model)
+    assert report.rolled_back == ["rope"] and report.recipes["rope"].calls == 0
+    assert "no call in a decode step" in report.recipes["rope"].reason
+
+
+@pytest.mark.parametrize("spec, names", [
+    ("tiny:gpt_neox", ["rope", "decode_attention"]),  # partial rotary: a quarter of each head rotated
+    ("tiny:glm4_moe_lite", ["decode_attention"]),  # MLA values narrower than keys: those calls go to sdpa
+])
+def test_variants_the_kernels_handle_or_hand_back_pass_the_gate(spec, names):
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+    catalog = load_catalog()
+    patches = apply(model, [catalog[n] for n in names])
+    try:
+        assert list(patches.applied) == names, patches.not_applicable
+        report = validate(patches, GatePlan((2,), steps=3, prompt_len=5))
+    finally:
+        unpatch(model)
+    assert not report.rolled_back and report.passed, report.recipes
+    assert all(report.recipes[n].calls > 0 for n in names)

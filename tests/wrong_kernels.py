@@ -14,6 +14,7 @@ from optiq.fusions.moe_experts import moe_experts_reference
 from optiq.fusions.moe_router import route_reference
 from optiq.fusions.rmsnorm import rmsnorm_reference
 from optiq.fusions.rope import rope_reference
+from optiq.fusions.swiglu import swiglu_reference
 
 
 def user_recipe(directory: Path, base: str, name: str, **fields: str):
@@ -101,10 +102,15 @@ def linear_skips_last_k_column(x, weight, bias=None):
     return torch.nn.functional.linear(x[..., :-1], weight[:, :-1], bias)
 
 
-def gate_up_swapped(x, w_gate_up):
-    """The gate/up GEMM that reads the interleaved rows the other way round: silu(up) * gate."""
+def gate_up_swapped(x, w_gate_up, activation="silu"):
+    """The gate/up GEMM that reads the interleaved rows the other way round: act(up) * gate."""
     gate, up = (torch.nn.functional.linear(x, w_gate_up[i::2]) for i in (0, 1))
-    return torch.nn.functional.silu(up) * gate
+    return swiglu_reference(torch.cat((up, gate), dim=-1), activation)
+
+
+def swiglu_always_silu(gate_up, out=None, activation="silu"):
+    """A SwiGLU kernel that ignores the activation it is asked for: right on Llama, wrong on Gemma's GeGLU."""
+    return swiglu_reference(gate_up, "silu")
 
 
 def raising_norm(x, weight, eps, offset=False, out=None):

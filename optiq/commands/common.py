@@ -162,7 +162,7 @@ def console_hooks(save):
     """workflow.Hooks for a terminal: spinners and progress bars on stderr, ``save(record)`` after every step."""
     from optiq.workflow import Hooks
 
-    return Hooks(save=save, status=err.status, sweep=_sweep_bar)
+    return Hooks(save=save, status=err.status, sweep=_sweep_bar, note=lambda line: err.print(f"note: {line}"))
 
 
 def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_len, new_tokens, max_len, repeats,

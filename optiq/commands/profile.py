@@ -35,6 +35,7 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
 
     from optiq.catalog.proposals import propose
     from optiq.catalog.recipes import load_catalog
+    from optiq.engine import graph_mode_problem
     from optiq.commands.views import attribution_view, proposals_records, proposals_table
     from optiq.measure import environment
     from optiq.measure.sweep import check_workload, free_memory
@@ -57,6 +58,11 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
     write_json(run.path / "environment.json", asdict(environment(device)))
     with err.status(f"loading {model_spec}"):
         model = load_model(model_spec, torch_dtype, device)
+    if mode == "graph":
+        problem = graph_mode_problem(model)
+        if problem:
+            err.print(f"note: {problem}: profiled in eager mode")
+            mode = args["mode"] = "eager"
 
     results = []
     try:

@@ -77,13 +77,21 @@ def prompt(model: torch.nn.Module, batch: int, length: int, seed: int) -> torch.
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _tile_cache(engine: DecodeEngine, prompt_len: int, length: int) -> None:
-    """Fill cache positions [prompt_len, length) of every layer with copies of the prompt's own keys and values, so
-    a step at ``length`` attends over a full-length context of real ones (a prefill that long would cost a long
-    prompt's forward per concurrency)."""
+def _fill_to(engine: DecodeEngine, prompt: torch.Tensor, length: int) -> None:
+    """Prefill ``prompt`` and bring the cache to ``length`` positions of real keys and values. A static cache's
+    positions [P, length) are filled with copies of the prompt's own keys and values (a prefill that long would
+    cost a long prompt's forward per concurrency); a cache the model makes itself cannot be written so, and is
+    prefilled with the prompt's tokens repeated to ``length``."""
+    prompt_len = prompt.shape[1]
+    if not engine.static:
+        engine.prefill(prompt.repeat(1, -(-length // prompt_len))[:, :length])
+        return
+    engine.prefill(prompt)
     for layer in engine.cache.layers:
-        for cached in (layer.keys, layer.values):
-            end = min(length, cached.shape[2])  # a sliding-window layer holds its window only
+        for cached in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if cached is None:  # a layer that stores nothing of its own
+                continue
+            end = min(length, cached.shape[2])
             for start in range(prompt_len, end, prompt_len):
                 width = min(prompt_len, end - start)
                 cached[:, :, start:start + width].copy_(cached[:, :, :width])
@@ -97,8 +105,7 @@ def capture_inputs(patches: Patches, plan: GatePlan, batch: int, context: int) -
     model = patches.model
     with patches.suspended():
         engine = DecodeEngine(model, batch, plan.capture_cache_len)
-        engine.prefill(prompt(model, batch, plan.prompt_len, plan.seed))
-        _tile_cache(engine, plan.prompt_len, context - 1)
+        _fill_to(engine, prompt(model, batch, plan.prompt_len, plan.seed), context - 1)
         captured, changes = {}, []
         for name, applied in patches.applied.items():
             captured[name] = [(site, []) for site in applied.sites]

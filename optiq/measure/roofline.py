@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from optiq.engine import cache_layout
 from optiq.rundir import write_json
+from optiq.zoo import config_value
 from optiq.measure.timing import Timer
 
 
@@ -80,12 +80,34 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> float:
     return total
 
 
+def cache_layout(config) -> tuple[int, int, int] | None:
+    """(heads, key width, value width) of one attention layer's cache, or None where the config does not say (widths
+    that vary by layer, a model without attention). MLA models (DeepSeek-V2/V3) cache their compressed latent as one
+    head: the kv_lora_rank-wide latent where keys go and the shared rope key where values go."""
+    if config_value(config, "kv_lora_rank"):
+        return 1, config.kv_lora_rank, config.qk_rope_head_dim
+    heads, hidden = config_value(config, "num_attention_heads"), config_value(config, "hidden_size")
+    head_dim = config_value(config, "head_dim") or (hidden // heads if heads and hidden else None)
+    if not heads or not head_dim:
+        return None
+    return config_value(config, "num_key_value_heads") or heads, head_dim, head_dim
+
+
 def kv_bytes_per_step(model: torch.nn.Module, batch: int, length: float) -> float:
-    """KV-cache bytes attention must read when each of ``batch`` sequences holds ``length`` positions."""
+    """KV-cache bytes attention must read when each of ``batch`` sequences holds ``length`` positions: a sliding
+    layer reads its window only, a layer that is not attention nothing. Where the widths are unknown, 0 (the floor
+    is then the weights', still a bound no step beats)."""
     config = model.config.get_text_config(decoder=True)
-    heads, key_width, value_width = cache_layout(config)
+    layout = cache_layout(config)
+    if layout is None:
+        return 0.0
+    heads, key_width, value_width = layout
+    types = config_value(config, "layer_types") or ["full_attention"] * config.num_hidden_layers
+    window = config_value(config, "sliding_window") or length
+    positions = sum(min(length, window) if kind == "sliding_attention" else length
+                    for kind in types if kind in ("full_attention", "sliding_attention", "chunked_attention"))
     element = next(model.parameters()).element_size()
-    return config.num_hidden_layers * batch * heads * (key_width + value_width) * length * element
+    return batch * heads * (key_width + value_width) * positions * element
 
 
 def floor_ms_per_step(model: torch.nn.Module, batch: int, mean_length: float, bandwidth: float) -> float:

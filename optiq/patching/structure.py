@@ -10,7 +10,7 @@ but computes something else (another normalisation, an extra scale) does not mat
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -55,4 +55,85 @@ def rms_norm(module: torch.nn.Module) -> NormSite | None:
     return None
 
 
-STRUCTURES = {"rms_norm": rms_norm}
+
+@dataclass(frozen=True)
+class GatedMlpSite:
+    """Where a gated MLP keeps its projections: ``gate`` and ``up`` (or one ``fused`` [2I] projection, gate half
+    first when ``gate_first``) and ``down``, as attribute names of the module; and its gate's activation (one of
+    GATE_ACTIVATIONS)."""
+    down: str
+    gate: str = ""
+    up: str = ""
+    fused: str = ""
+    gate_first: bool = True
+    activation: str = "silu"
+
+    def gate_up_weights(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate and up weight matrices [I, H] (views of a fused weight's halves)."""
+        if not self.fused:
+            return getattr(module, self.gate).weight, getattr(module, self.up).weight
+        first, second = getattr(module, self.fused).weight.chunk(2)
+        return (first, second) if self.gate_first else (second, first)
+
+    def gate_up_biases(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.fused:
+            gate, up = getattr(module, self.gate).bias, getattr(module, self.up).bias
+            return None if gate is None else (gate, up)
+        bias = getattr(module, self.fused).bias
+        if bias is None:
+            return None
+        first, second = bias.chunk(2)
+        return (first, second) if self.gate_first else (second, first)
+
+
+GATE_ACTIVATIONS = {"silu": torch.nn.functional.silu,  # SwiGLU: Llama, Qwen, Mistral, Phi-3
+                    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}  # GeGLU: Gemma
+
+
+def gated_mlp(module: torch.nn.Module) -> GatedMlpSite | None:
+    """A gated MLP: ``down(act(gate(x)) * up(x))`` over nn.Linear children, gate and up apart or as one [2I]
+    projection (Phi-3's gate_up_proj), act one of GATE_ACTIVATIONS, and nothing else (no other parameter, no dropout
+    that is on). Tried on the module itself with four random rows in its own dtype, each arrangement of its
+    projections and each activation computed from the same children: the module's output must agree to its dtype's
+    precision (silu and gelu_tanh differ by far more)."""
+    linears = {name: child for name, child in module.named_children() if isinstance(child, torch.nn.Linear)}
+    if not 2 <= len(linears) <= 3 or set(dict(module.named_parameters())) != {
+            f"{name}.{p}" for name, child in linears.items() for p, _ in child.named_parameters()}:
+        return None
+    width = next(iter(linears.values())).in_features
+    candidates = []
+    for down, down_linear in linears.items():
+        if down_linear.out_features != width:
+            continue
+        others = [name for name in linears if name != down]
+        if len(others) == 2:
+            candidates += [GatedMlpSite(down, gate=g, up=u) for g, u in (others, others[::-1])]
+        elif len(others) == 1 and linears[others[0]].out_features == 2 * down_linear.in_features:
+            candidates += [GatedMlpSite(down, fused=others[0], gate_first=first) for first in (True, False)]
+    candidates = [replace(site, activation=name) for site in candidates for name in GATE_ACTIVATIONS]
+    if not candidates:
+        return None
+    weight = next(module.parameters())
+    x = torch.randn(PROBE_ROWS, width, generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    try:
+        with torch.no_grad():
+            got = module(x)
+    except Exception:  # a forward of another signature is another structure
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+        return None
+    tolerance = 1e-4 if weight.dtype in (torch.float32, torch.float64) else 2e-2
+    for site in candidates:
+        with torch.no_grad():
+            if site.fused:
+                first, second = getattr(module, site.fused)(x).chunk(2, dim=-1)
+                gate, up = (first, second) if site.gate_first else (second, first)
+            else:
+                gate, up = getattr(module, site.gate)(x), getattr(module, site.up)(x)
+            want = getattr(module, site.down)(GATE_ACTIVATIONS[site.activation](gate) * up)
+        if ((got - want).float().norm() <= tolerance * want.float().norm()).item():
+            return site
+    return None
+
+
+STRUCTURES = {"rms_norm": rms_norm, "gated_mlp": gated_mlp}

@@ -1,10 +1,11 @@
 """Name every decoder layer and module role in the profiler's trace (record_function) and in Nsight (NVTX).
 
-Roles are what an engineer fuses by: ``embed``, ``norm``, ``post_attn_norm``, ``qkv_proj``, ``qk_norm`` (Qwen3's
-per-head norms of q and k), ``rope``, ``kv_write``,
-``attention``, ``repeat_kv`` (GQA's copy of the KV heads, inside attention), ``kv_expand`` (MLA's latent to keys and
-values), ``o_proj``, ``mlp``, ``moe_router``, ``experts``, ``lm_head``, ``sampling``. A range is named
-``optiq/layer/<i>`` or ``optiq/role/<role>``; decode steps are ``optiq/step/<n>``. Annotation installs wrappers on the
+Roles are what an engineer fuses by: ``embed``, ``norm``, ``post_attn_norm``, ``qkv_proj``, ``qk_norm`` (per-head
+norms of q and k), ``rope``, ``kv_write``, ``attention``, ``repeat_kv`` (GQA's copy of the KV heads, inside
+attention), ``kv_expand`` (MLA's latent to keys and values), ``o_proj``, ``mixer`` (a recurrent or linear-attention
+layer's), ``mlp``, ``moe_router``, ``experts``, ``lm_head``, ``sampling``. Modules get theirs from the module tree's
+structure (profiling.roles); functions (RoPE, repeat_kv), the engine's cache writes and sampling by name. A range is
+named ``optiq/layer/<i>`` or ``optiq/role/<role>``; decode steps are ``optiq/step/<n>``. Annotation installs wrappers on the
 model's instances for the duration of a ``with annotated(...)`` block and removes them after, so an unannotated model
 pays nothing.
 """
@@ -18,28 +19,14 @@ import sys
 import torch
 from torch.profiler import record_function
 
+from optiq.profiling.roles import decoder_layers, module_roles
+
 try:  # the nvtx package works on every build; Nsight Systems shows its ranges, torch traces do not
     import nvtx as _nvtx
 except ImportError:  # optiq steps aside: record_function ranges still name everything in the torch trace
     _nvtx = None
 
 NVTX_AVAILABLE = _nvtx is not None
-
-# Module attribute names -> role; matched against the last component of each submodule's qualified name.
-_ROLE_BY_NAME = {
-    "embed_tokens": "embed",
-    "input_layernorm": "norm", "norm": "norm",
-    "q_norm": "qk_norm", "k_norm": "qk_norm",  # their own role: the attention prologue fuses them with rope
-    "post_attention_layernorm": "post_attn_norm",  # its own role: add_rmsnorm fuses this norm only
-    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "qkv_proj": "qkv_proj",
-    # MLA (DeepSeek-V2/V3): q and the compressed KV latent are projections; expanding the latent is its own role
-    "q_a_proj": "qkv_proj", "q_b_proj": "qkv_proj", "kv_a_proj_with_mqa": "qkv_proj", "kv_b_proj": "kv_expand",
-    "q_a_layernorm": "norm", "kv_a_layernorm": "norm", "shared_experts": "mlp",
-    "self_attn": "attention", "o_proj": "o_proj",
-    "mlp": "mlp", "gate": "moe_router", "experts": "experts",
-    "shared_expert": "mlp", "shared_expert_gate": "moe_router",
-    "lm_head": "lm_head",
-}
 
 
 @contextlib.contextmanager
@@ -62,16 +49,12 @@ def _wrap(func, name: str):
     return wrapper
 
 
-def module_roles(model: torch.nn.Module) -> dict[str, str]:
-    """Qualified submodule name -> range name, for decoder layers and every module with a known role."""
-    names = {}
-    layers = model.get_decoder().layers
-    layer_ids = {id(layer): i for i, layer in enumerate(layers)}
-    for qualified, module in model.named_modules():
-        if id(module) in layer_ids:
-            names[qualified] = f"optiq/layer/{layer_ids[id(module)]}"
-        elif qualified.rsplit(".", 1)[-1] in _ROLE_BY_NAME and qualified:
-            names[qualified] = f"optiq/role/{_ROLE_BY_NAME[qualified.rsplit('.', 1)[-1]]}"
+def module_ranges(model: torch.nn.Module) -> dict[str, str]:
+    """Qualified submodule name -> range name, for decoder layers and every module with a role (profiling.roles)."""
+    names = {qualified: f"optiq/role/{role}" for qualified, role in module_roles(model).items()}
+    qualified_of = {id(module): qualified for qualified, module in model.named_modules()}
+    for index, layer in enumerate(decoder_layers(model)):
+        names[qualified_of[id(layer)]] = f"optiq/layer/{index}"
     return names
 
 
@@ -87,12 +70,14 @@ def annotated(model: torch.nn.Module, engine=None):
         setattr(owner, attribute, _wrap(getattr(owner, attribute), name))
 
     modules = dict(model.named_modules())
-    for qualified, name in module_roles(model).items():
+    for qualified, name in module_ranges(model).items():
         patch(modules[qualified], "forward", name)
     if engine is not None:
-        patch(engine.cache, "update", "optiq/role/kv_write")
+        if hasattr(engine.cache, "update"):  # transformers' caches; a model's own state may be written otherwise
+            patch(engine.cache, "update", "optiq/role/kv_write")
         patch(sys.modules[type(engine).__module__], "sample_greedy", "optiq/role/sampling")
-    modeling = {type(layer.self_attn).__module__ for layer in model.get_decoder().layers}
+    modeling = {type(module).__module__ for module in model.modules()
+                if type(module).__module__.startswith("transformers.models.")}
     for module_name in sorted(modeling | {"transformers.integrations.sdpa_attention"}):
         module = sys.modules.get(module_name)
         for function, role in (("apply_rotary_pos_emb", "rope"), ("apply_rotary_emb", "rope"),

@@ -27,12 +27,12 @@ def make_inputs(seed, leading, hidden, intermediate, dtype, device):
     return x, w_gate, w_up
 
 
-def check(seed, leading, hidden, intermediate, dtype, device):
+def check(seed, leading, hidden, intermediate, dtype, device, activation="silu"):
     x, w_gate, w_up = make_inputs(seed, leading, hidden, intermediate, dtype, device)
-    out = gate_up_swiglu(x, interleave_gate_up(w_gate, w_up))
+    out = gate_up_swiglu(x, interleave_gate_up(w_gate, w_up), activation)
     assert out.shape == (*leading, intermediate) and out.dtype == dtype
     assert torch.isfinite(out).all(), "an output element was left unwritten"
-    expected = gate_up_swiglu_reference(x.double(), w_gate.double(), w_up.double())
+    expected = gate_up_swiglu_reference(x.double(), w_gate.double(), w_up.double(), activation)
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
@@ -54,6 +54,16 @@ def test_shapes_cpu(leading, hidden, intermediate):
 def test_half_dtypes_cpu(dtype):
     check(seed=5 if dtype == torch.bfloat16 else 6, leading=(5,), hidden=64, intermediate=48, dtype=dtype,
           device="cpu")
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+def test_gelu_tanh_cpu():
+    """GeGLU's gate (Gemma): checked against its own reference, and the silu one rejects it."""
+    check(seed=7, leading=(3,), hidden=80, intermediate=56, dtype=torch.float32, device="cpu", activation="gelu_tanh")
+    with pytest.raises(AssertionError):
+        x, w_gate, w_up = make_inputs(7, (3,), 80, 56, torch.float32, "cpu")
+        torch.testing.assert_close(gate_up_swiglu(x, interleave_gate_up(w_gate, w_up), "gelu_tanh").double(),
+                                   gate_up_swiglu_reference(x.double(), w_gate.double(), w_up.double()))
 
 
 def test_interleave_layout():
@@ -87,7 +97,9 @@ def test_tile_config_fills_the_gpu():
 def test_custom_op_registration():
     device = "cuda" if CUDA else "cpu"
     x, w_gate, w_up = make_inputs(8, (2,), 32, 24, torch.float32, device)
-    torch.library.opcheck(torch.ops.optiq.gate_up_swiglu.default, (x, interleave_gate_up(w_gate, w_up)), **OPCHECKS)
+    for activation in (0, 1):  # silu, gelu_tanh
+        torch.library.opcheck(torch.ops.optiq.gate_up_swiglu.default, (x, interleave_gate_up(w_gate, w_up), activation),
+                              **OPCHECKS)
 
 
 PRESETS = {"qwen3-0.6b": (1024, 3072), "llama-3.2-1b": (2048, 8192), "llama-3.1-8b": (4096, 14336)}

@@ -19,16 +19,17 @@ def make_input(shape, dtype, device, seed):
     return (2.0 * torch.randn(shape, generator=generator)).to(device=device, dtype=dtype)
 
 
-def check(out, gate_up):
+def check(out, gate_up, activation="silu"):
     """out must be fully written and match the float64 reference within the dtype's tolerance."""
     assert not out.isnan().any(), "the kernel left poisoned elements unwritten"
-    torch.testing.assert_close(out.double(), swiglu_reference(gate_up.double()), **TOLERANCE[gate_up.dtype])
+    torch.testing.assert_close(out.double(), swiglu_reference(gate_up.double(), activation),
+                               **TOLERANCE[gate_up.dtype])
 
 
-def run_poisoned(gate_up):
+def run_poisoned(gate_up, activation="silu"):
     shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
     out = torch.full(shape, float("nan"), dtype=gate_up.dtype, device=gate_up.device)
-    assert swiglu(gate_up, out=out) is out
+    assert swiglu(gate_up, out=out, activation=activation) is out
     return out
 
 
@@ -38,6 +39,16 @@ def test_matches_reference_small(request, shape, dtype):
     """Odd widths exercise the mask; 1100 > one program's 1024 columns exercises the column grid."""
     gate_up = make_input(shape, dtype, SMALL_DEVICE, seed_of(request))
     check(run_poisoned(gate_up), gate_up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_matches_reference_small(request, dtype):
+    """GeGLU (Gemma's gelu_tanh gate); the silu reference does not pass for it."""
+    gate_up = make_input((3, 2 * 45), dtype, SMALL_DEVICE, seed_of(request))
+    out = run_poisoned(gate_up, "gelu_tanh")
+    check(out, gate_up, "gelu_tanh")
+    with pytest.raises(AssertionError):
+        check(out, gate_up, "silu")
 
 
 def test_strided_rows(request):

@@ -119,12 +119,20 @@ def _filled_lengths(kwargs: dict) -> tuple[int, torch.Tensor]:
 UNSUPPORTED = ("softcap", "s_aux", "sliding_window")
 
 
+def _kernel_computes(query, key, value, kwargs: dict) -> bool:
+    """Whether the decode kernel computes this call: one query token per sequence, keys and values of one shape
+    (not MLA's narrower values), nothing asked of it that it does not do (UNSUPPORTED)."""
+    return (query.ndim == key.ndim == value.ndim == 4 and query.shape[2] == 1 and key.shape == value.shape
+            and query.shape[1] % key.shape[1] == 0 and not any(kwargs.get(n) is not None for n in UNSUPPORTED))
+
+
 def decode_attention_interface(fusion):
     """(attention, mask) for one name: decode steps (one query token, no padding mask, no window) run ``fusion``
     over each sequence's filled cache prefix; everything else (prefill) runs transformers' own sdpa path and mask.
 
     For a decode step the mask function returns the filled lengths, int64 [batch], instead of a boolean mask: the
-    attention function sees a 1-D integer tensor and knows it may use the kernel."""
+    attention function sees a 1-D integer tensor and knows it may use the kernel, or, for a call the kernel does not
+    compute, turns it into the boolean mask sdpa takes."""
     sdpa_attention = AttentionInterface._global_mapping["sdpa"]
     sdpa_mask = AttentionMaskInterface._global_mapping["sdpa"]
 
@@ -135,10 +143,12 @@ def decode_attention_interface(fusion):
         return filled.reshape(1).to(torch.int64).repeat(kwargs["batch_size"])
 
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        computes = not any(kwargs.get(name) is not None for name in UNSUPPORTED)
-        if computes and isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 1 and query.shape[2] == 1:
+        lengths = isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 1
+        if lengths and _kernel_computes(query, key, value, kwargs):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return fusion(query, key, value, attention_mask, scale), None
+        if lengths:  # a decode step the kernel does not compute: the boolean mask the lengths stand for
+            attention_mask = (torch.arange(key.shape[2], device=key.device) < attention_mask[:, None])[:, None, None]
         return sdpa_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     return attention, mask

@@ -1,0 +1,146 @@
+"""Module roles from the shape of the module tree, not from what its classes or attributes are called, so that a model
+optiq was never fitted to (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``, a user's own names) is attributed as Llama is.
+
+A decoder layer's children are its norms (a weight vector, perhaps a bias, and an eps), and the parts that compute
+with weight matrices: the first is the token mixer, the last (when there are
+two or more) the MLP. The mixer is attention unless the config says its layer is of another kind, or it holds a
+convolution (state-space and linear-attention mixers do; they are ``mixer``). Inside attention, the last registered
+projection that writes the hidden size is ``o_proj``, one that reads the compressed KV latent (MLA) ``kv_expand``,
+the others ``qkv_proj``, a norm a head wide ``qk_norm``. Inside the MLP, a module holding one weight per expert (a 3-D parameter, or a
+module list as long as the expert count) is ``experts``, a matrix with a row per expert ``moe_router``, a dense MLP
+beside them (shared experts) ``mlp``. Of a layer's
+norms the first is ``norm``; with exactly two, the second is ``post_attn_norm`` (the norm after the residual add that
+add_rmsnorm fuses); with more (post-norm placements, Gemma's four), they are all ``norm``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optiq.patching.structure import EPS_ATTRIBUTES
+from optiq.zoo import config_value
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: its module list as long as the config's layer count (``model.layers`` in most of
+    transformers, ``transformer.h`` in GPT-2's family, ``backbone.layers`` in Mamba's)."""
+    count = model.config.get_text_config(decoder=True).num_hidden_layers
+    return next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count), [])
+
+
+def is_norm(module: torch.nn.Module) -> bool:
+    """A normalisation: torch's LayerNorm or RMSNorm, or any leaf module whose parameters are a weight vector (and
+    perhaps a bias) and which keeps an eps."""
+    if isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
+        return True
+    params = dict(module.named_parameters(recurse=False))
+    weight = params.get("weight")
+    if weight is None or weight.dim() != 1 or set(params) - {"weight", "bias"} or next(module.children(), None):
+        return False
+    return any(type(getattr(module, name, None)) in (int, float) for name in EPS_ATTRIBUTES)
+
+
+def _is_projection(module: torch.nn.Module) -> bool:
+    """A weight matrix applied to activations: nn.Linear, GPT-2's Conv1D, any leaf with a 2-D weight that is not an
+    embedding."""
+    weight = module.__dict__.get("_parameters", {}).get("weight")
+    return (next(module.children(), None) is None and weight is not None and weight.dim() == 2
+            and not isinstance(module, torch.nn.Embedding))
+
+
+def _computes(module: torch.nn.Module) -> bool:
+    return any(p.dim() >= 2 for p in module.parameters())
+
+
+def module_roles(model: torch.nn.Module) -> dict[str, str]:
+    """Qualified submodule name -> role, for every module whose role the structure shows (module docstring)."""
+    config = model.config.get_text_config(decoder=True)
+    names = {id(module): qualified for qualified, module in model.named_modules()}
+    roles: dict[str, str] = {}
+    for module, role in ((model.get_input_embeddings(), "embed"), (model.get_output_embeddings(), "lm_head")):
+        if module is not None and id(module) in names:
+            roles[names[id(module)]] = role
+    layer_types = list(config_value(config, "layer_types") or [])
+    for index, layer in enumerate(decoder_layers(model)):
+        kind = layer_types[index] if index < len(layer_types) else "attention"
+        _layer_roles(layer, names[id(layer)], kind, config, roles)
+    inside_layers = tuple(f"{names[id(layer)]}." for layer in decoder_layers(model))
+    for qualified, module in model.named_modules():
+        if qualified and qualified not in roles and not qualified.startswith(inside_layers) and is_norm(module):
+            roles[qualified] = "norm"  # the final norm
+    return roles
+
+
+def _layer_roles(layer: torch.nn.Module, prefix: str, kind: str, config, roles: dict[str, str]) -> None:
+    children = list(layer.named_children())
+    norms = [name for name, child in children if is_norm(child)]
+    parts = [(name, child) for name, child in children if name not in norms and _computes(child)]
+    for position, name in enumerate(norms):
+        roles[f"{prefix}.{name}"] = "post_attn_norm" if position == 1 and len(norms) == 2 else "norm"
+    if not parts:
+        return
+    mixer_name, mixer = parts[0]
+    is_attention = kind in ATTENTION_LAYER_TYPES and not any(isinstance(m, torch.nn.Conv1d) for m in mixer.modules())
+    if is_attention:
+        roles[f"{prefix}.{mixer_name}"] = "attention"
+        _attention_roles(mixer, f"{prefix}.{mixer_name}", config, roles)
+    else:
+        roles[f"{prefix}.{mixer_name}"] = "mixer"
+    if len(parts) >= 2:
+        mlp_name, mlp = parts[-1]
+        roles[f"{prefix}.{mlp_name}"] = "mlp"
+        _mlp_roles(mlp, f"{prefix}.{mlp_name}", config, roles)
+
+
+def _widths(module: torch.nn.Module) -> tuple[int, int]:
+    """(input, output) width of a projection: nn.Linear's, GPT-2's Conv1D (weight stored [in, out]) or a weight's."""
+    if hasattr(module, "in_features"):
+        return module.in_features, module.out_features
+    if hasattr(module, "nx"):
+        return module.nx, module.nf
+    return module.weight.shape[1], module.weight.shape[0]
+
+
+def _attention_roles(attn: torch.nn.Module, prefix: str, config, roles: dict[str, str]) -> None:
+    projections = [(name, m) for name, m in attn.named_modules() if name and _is_projection(m)]
+    latent = config_value(config, "kv_lora_rank")
+    head_dim = config_value(config, "head_dim", "qk_head_dim")
+    hidden = config_value(config, "hidden_size")
+    # o_proj writes the residual stream: of the projections as wide as it, the one registered last (Llama's q_proj is
+    # as wide too; Phi-3 registers o_proj before qkv_proj)
+    back = [name for name, m in projections if _widths(m)[1] == hidden] or [name for name, _ in projections[1:]]
+    for name, module in projections:
+        if back and name == back[-1]:
+            role = "o_proj"
+        elif latent and _widths(module)[0] == latent:
+            role = "kv_expand"
+        else:
+            role = "qkv_proj"
+        roles[f"{prefix}.{name}"] = role
+    for name, module in attn.named_modules():
+        if name and is_norm(module):
+            width = next(module.parameters()).shape[0]
+            roles[f"{prefix}.{name}"] = "qk_norm" if head_dim and width == head_dim else "norm"
+
+
+def _mlp_roles(mlp: torch.nn.Module, prefix: str, config, roles: dict[str, str]) -> None:
+    experts = config_value(config, "num_experts", "num_local_experts", "n_routed_experts")
+    if not experts:
+        return
+    found_experts = []
+    for name, module in mlp.named_modules():
+        if not name or any(name.startswith(f"{e}.") for e in found_experts):
+            continue
+        holds_experts = (isinstance(module, torch.nn.ModuleList) and len(module) == experts) or any(
+            p.dim() >= 3 for p in module.parameters(recurse=False))
+        if holds_experts:
+            roles[f"{prefix}.{name}"] = "experts"
+            found_experts.append(name)
+            continue
+        weight = module.__dict__.get("_parameters", {}).get("weight")
+        if weight is not None and weight.dim() == 2 and weight.shape[0] == experts:
+            roles[f"{prefix}.{name}"] = "moe_router"
+        elif "." not in name and _computes(module) and not _is_projection(module):
+            roles[f"{prefix}.{name}"] = "mlp"  # a dense MLP beside the experts (shared experts)

@@ -1,0 +1,119 @@
+"""transformers' causal-LM zoo, each model type shrunk to a config that builds in seconds on a CPU.
+
+``tiny:<model_type>`` names such a model anywhere optiq takes ``--model``: the type's own config class with its
+defaults, its widths cut to a few dozen, two layers (or one of each layer type the default config mixes) and a
+small sliding window, so that every code path of the architecture (sliding and full attention, experts, shared
+experts, MLA) runs at a context of a hundred positions. The weights are drawn like a preset's (models.random_model).
+
+``decoder_only_text_types`` is the part of the zoo optiq is for: causal LMs that are neither encoder-decoders, nor
+encoders that can also decode (they have a masked-LM head), nor wrappers around a text model (vision, audio).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from transformers import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+from optiq.errors import OptiqError
+
+PREFIX = "tiny:"
+
+# Widths every tiny config takes where its class has the field (directly or through its attribute map).
+TINY = {
+    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "vocab_size": 256, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+    "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "n_group": 1, "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8, "v_head_dim": 16, "sliding_window": 32, "attention_chunk_size": 32,
+    "max_position_embeddings": 2048, "first_k_dense_replace": 1,
+}
+LAYERS = 2
+
+
+def config_value(config, *names: str):
+    """The first of ``names`` the config sets to something truthy, or None. Reading a per-layer attribute of a
+    heterogeneous config (Gemma-4's head_dim) raises transformers' own error; here it is just not set."""
+    for name in names:
+        try:
+            value = getattr(config, name, None)
+        except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError and kin
+            value = None
+        if value:
+            return value
+    return None
+
+
+def decoder_only_text_types() -> list[str]:
+    """The causal-LM model types that are decoder-only text models, sorted."""
+    kept = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES or model_type not in CONFIG_MAPPING:
+            continue
+        config_class = CONFIG_MAPPING[model_type]
+        if getattr(config_class, "sub_configs", None) or getattr(config_class, "is_encoder_decoder", False):
+            continue
+        try:
+            default = config_class()
+        except Exception:  # noqa: BLE001 - a config that needs arguments is not one a shrunken default can build
+            kept.append(model_type)
+            continue
+        if not getattr(default, "is_encoder_decoder", False):
+            kept.append(model_type)
+    return kept
+
+
+def _fields(config_class) -> set[str]:
+    names = {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set()
+    return names | set(getattr(config_class, "attribute_map", {}))
+
+
+def tiny_config(model_type: str):
+    """The config of ``model_type`` shrunk as the module docstring says. A config whose validators reject the tiny
+    widths (widths tied to each other in ways TINY does not know) keeps its own widths and gets only two layers and
+    the tiny vocabulary."""
+    if model_type not in CONFIG_MAPPING:
+        raise OptiqError(f"unknown model type '{model_type}': transformers {_version()} has no config for it")
+    config_class = CONFIG_MAPPING[model_type]
+    try:
+        default = config_class()
+    except Exception as exc:  # noqa: BLE001 - the config's own validation, in one line
+        raise OptiqError(f"{model_type}'s default config does not build: {_first_line(exc)}") from None
+    fields = _fields(config_class) | set(vars(default))
+    widths = {name: value for name, value in TINY.items() if name in fields}
+    if config_value(default, "num_experts_per_tok") and "num_experts_per_tok" in widths:
+        widths["num_experts_per_tok"] = min(widths["num_experts_per_tok"], default.num_experts_per_tok)
+    if config_value(default, "kv_lora_rank"):  # MLA: one KV head per query head, the head_dim its rope's
+        widths.update({name: value for name, value in (("num_key_value_heads", TINY["num_attention_heads"]),
+                                                       ("head_dim", TINY["qk_rope_head_dim"])) if name in widths})
+    if "rotary_dim" in fields and config_value(default, "rotary_dim"):  # GPT-J, CodeGen: rotary dims of a head
+        widths["rotary_dim"] = TINY["head_dim"] // 2
+    vocab = TINY["vocab_size"]
+    depth = {"vocab_size": vocab, **{name: 0 for name in ("pad_token_id", "bos_token_id", "eos_token_id")
+                                     if isinstance(config_value(default, name), int)
+                                     and config_value(default, name) >= vocab}}
+    default_types = list(config_value(default, "layer_types") or [])
+    kinds = list(dict.fromkeys(default_types))
+    # One layer of each type where the config takes a list; where the types follow from offsets and periods
+    # (Jamba), as many layers as it takes for each type to appear.
+    depth["num_hidden_layers"] = max(LAYERS, len(kinds))
+    patterned = {**depth, "num_hidden_layers": max([LAYERS] + [default_types.index(k) + 1 for k in kinds])}
+    if len(kinds) > 1:
+        depth["layer_types"] = kinds
+    errors = []
+    for shrunk in ({**widths, **depth}, {**widths, **patterned}, depth, patterned):
+        try:
+            return config_class(**shrunk)
+        except Exception as exc:  # noqa: BLE001 - a validator that ties widths together: try fewer changes
+            errors.append(_first_line(exc))
+    raise OptiqError(f"{model_type} does not build from a shrunken config: {errors[0]}")
+
+
+def _first_line(exc: BaseException) -> str:
+    return next(iter(str(exc).splitlines()), type(exc).__name__)
+
+
+def _version() -> str:
+    import transformers
+    return transformers.__version__

@@ -1,0 +1,50 @@
+"""Module roles come from the module tree's structure: models whose attributes are named otherwise (Phi-3's fused
+qkv_proj registered after o_proj, GPT-2's c_attn/c_proj of Conv1D, Mamba's mixer) get the roles Llama gets."""
+
+import pytest
+import torch
+
+from optiq.models import load_model
+from optiq.profiling.roles import decoder_layers, module_roles
+
+
+def _layer0(model_spec: str) -> tuple[dict[str, str], str]:
+    model = load_model(model_spec, torch.float32, torch.device("cpu"))
+    names = {id(m): q for q, m in model.named_modules()}
+    prefix = names[id(decoder_layers(model)[0])]
+    return {q.removeprefix(prefix + "."): r for q, r in module_roles(model).items() if q.startswith(prefix + ".")}, \
+        prefix
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("tiny-llama", {"input_layernorm": "norm", "post_attention_layernorm": "post_attn_norm",
+                    "self_attn": "attention", "self_attn.q_proj": "qkv_proj", "self_attn.k_proj": "qkv_proj",
+                    "self_attn.v_proj": "qkv_proj", "self_attn.o_proj": "o_proj", "mlp": "mlp"}),
+    ("tiny:phi3", {"input_layernorm": "norm", "post_attention_layernorm": "post_attn_norm",
+                   "self_attn": "attention", "self_attn.qkv_proj": "qkv_proj", "self_attn.o_proj": "o_proj",
+                   "mlp": "mlp"}),
+    ("tiny:gpt2", {"ln_1": "norm", "ln_2": "post_attn_norm", "attn": "attention", "attn.c_attn": "qkv_proj",
+                   "attn.c_proj": "o_proj", "mlp": "mlp"}),
+    ("tiny:mamba", {"norm": "norm", "mixer": "mixer"}),
+    ("tiny:gemma3_text", {"input_layernorm": "norm", "post_attention_layernorm": "norm",
+                          "pre_feedforward_layernorm": "norm", "post_feedforward_layernorm": "norm",
+                          "self_attn": "attention", "self_attn.q_proj": "qkv_proj", "self_attn.k_proj": "qkv_proj",
+                          "self_attn.v_proj": "qkv_proj", "self_attn.o_proj": "o_proj",
+                          "self_attn.q_norm": "qk_norm", "self_attn.k_norm": "qk_norm", "mlp": "mlp"}),
+])
+def test_roles_of_a_decoder_layer(spec, expected):
+    roles, _ = _layer0(spec)
+    assert roles == expected
+
+
+def test_moe_and_mla_roles():
+    """Experts (3-D weights), the router (a row per expert), shared experts beside them, MLA's latent expansion."""
+    model = load_model("tiny-deepseek-v2", torch.float32, torch.device("cpu"))
+    roles = module_roles(model)
+    assert roles["model.layers.1.mlp.experts"] == "experts"
+    assert roles["model.layers.1.mlp.gate"] == "moe_router"
+    assert roles["model.layers.1.mlp.shared_experts"] == "mlp"
+    assert roles["model.layers.0.self_attn.kv_b_proj"] == "kv_expand"
+    assert roles["model.layers.0.self_attn.kv_a_layernorm"] == "norm"
+    assert roles["model.norm"] == "norm" and roles["lm_head"] == "lm_head"
+    assert roles["model.embed_tokens"] == "embed"
