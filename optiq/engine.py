@@ -45,11 +45,17 @@ def static_cache(model: torch.nn.Module, max_len: int) -> tuple[Cache | None, st
     chunk whatever the cache's length, and transformers' sliding layer keeps its fill on the host and rolls its
     buffer with a host-made index, which a CUDA graph cannot capture and ``seek`` cannot rewind."""
     config = model.config.get_text_config(decoder=True)
-    why_not = model.__dict__.get("_optiq_why_not_static")
-    if why_not is None:
-        why_not = _probe_static(model, config)
-        model.__dict__["_optiq_why_not_static"] = why_not
+    if "_optiq_static" not in model.__dict__:
+        model.__dict__["_optiq_static"] = _probe_static(model, config)
+    why_not, _ = model.__dict__["_optiq_static"]
     return (_full_length_cache(config, max_len)[0], "") if not why_not else (None, why_not)
+
+
+def static_layouts(model: torch.nn.Module) -> list[tuple[int, int, int] | None]:
+    """(heads, key width, value width) of each layer's static cache as the probe found them (None: a layer that
+    stores nothing), so an engine can allocate its whole cache up front."""
+    static_cache(model, 1)
+    return model.__dict__["_optiq_static"][1]
 
 
 def _full_length_cache(config, max_len: int) -> tuple[Cache | None, str]:
@@ -69,20 +75,21 @@ def _full_length_cache(config, max_len: int) -> tuple[Cache | None, str]:
 
 
 @torch.inference_mode()
-def _probe_static(model: torch.nn.Module, config) -> str:
+def _probe_static(model: torch.nn.Module, config) -> tuple[str, list]:
     cache, why_not = _full_length_cache(config, 4)
     if cache is None:
-        return why_not
+        return why_not, []
     device = next(model.parameters()).device
     tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
     try:
         model(input_ids=tokens, position_ids=torch.arange(2, device=device)[None], use_cache=True,
               **{_cache_kwarg(model): cache})
     except Exception as exc:  # noqa: BLE001 - whatever the model's code raises on a cache it does not take
-        return f"its forward does not take transformers' StaticCache ({type(exc).__name__}: {_first_line(exc)})"
+        return f"its forward does not take transformers' StaticCache ({type(exc).__name__}: {_first_line(exc)})", []
     if not any(getattr(layer, "is_initialized", False) for layer in cache.layers):
-        return "it keeps its state outside transformers' cache"
-    return ""
+        return "it keeps its state outside transformers' cache", []
+    return "", [(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1])
+                if getattr(layer, "is_initialized", False) else None for layer in cache.layers]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -108,15 +115,24 @@ class DecodeEngine:
     """
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, mode: str = "eager",
-                 forward: Callable | None = None):
+                 forward: Callable | None = None, dtype: torch.dtype | None = None):
         if mode not in ("eager", "graph"):
             raise ValueError(f"mode must be 'eager' or 'graph', not {mode!r}")
         if mode == "graph" and not torch.cuda.is_available():
             raise ValueError("graph mode needs CUDA")
         self.model, self.batch, self.max_len, self.mode = model, batch, max_len, mode
         self.forward = forward or model
-        self.device = next(model.parameters()).device
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, dtype or param.dtype
         self.cache, self.why_not_static = static_cache(model, max_len)
+        if self.static:
+            # Allocate the whole cache now, outside inference mode (the tensors stay ordinary ones the timing loop,
+            # torch.compile and graphs may update): a concurrency that does not fit fails here, before any work.
+            for layer, layout in zip(self.cache.layers, static_layouts(model)):
+                if layout is not None:
+                    heads, key_width, value_width = layout
+                    layer.lazy_initialization(*(torch.empty(batch, heads, 0, width, dtype=self.dtype,
+                                                            device=self.device) for width in (key_width, value_width)))
         self._prefilled: tuple[int, Cache] | None = None  # (length, copy of the cache then): the own cache's rewind
         self._params = set(inspect.signature(model.forward).parameters)
         self._cache_kw = _cache_kwarg(model)
@@ -141,7 +157,16 @@ class DecodeEngine:
             kwargs["cache_position"] = position_ids[0]
         if "logits_to_keep" in self._takes:
             kwargs["logits_to_keep"] = 1
-        out = fn(input_ids=input_ids, **kwargs)
+        try:
+            out = fn(input_ids=input_ids, **kwargs)
+        except (OptiqError, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model's own code: one line, not its traceback
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            if fn is not self.model or capturing or "out of memory" in str(exc).lower():
+                raise  # a peer's failure and out of memory are the sweep's to record, a capture's _capture's
+            raise OptiqError(f"{type(self.model).__name__}'s forward failed ({type(exc).__name__}: "
+                             f"{_first_line(exc)})") from exc
         if not self.static:
             returned = next((name for name in OWN_CACHE_OUTPUTS if getattr(out, name, None) is not None), None)
             if returned is None:
@@ -169,13 +194,15 @@ class DecodeEngine:
         self.seek(length)
         return logits
 
+    @torch.inference_mode()
     def seek(self, length: int) -> None:
         """Set the filled length of every sequence (the cache's counters and the next position) to ``length``. A
         model's own cache can only be rewound to the end of the prefill."""
         if self.static:
-            for layer in self.cache.layers:
-                if hasattr(layer, "cumulative_length"):  # a dummy layer has none
-                    layer.cumulative_length.fill_(length)
+            for layer in self.cache.layers:  # every fill counter: the KV one and a DSA indexer's, none in a dummy
+                for name, value in vars(layer).items():
+                    if name.endswith("cumulative_length") and isinstance(value, torch.Tensor):
+                        value.fill_(length)
         elif self._prefilled is None or length != self._prefilled[0]:
             raise OptiqError(f"{type(self.model).__name__}'s own cache cannot be rewound to {length} positions "
                              f"({self.why_not_static})")
