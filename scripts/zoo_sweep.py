@@ -2,9 +2,10 @@
 optiq/zoo.py), through ``optiq profile`` and ``optiq apply-fusion --recipes auto`` on the CPU, each in processes of
 its own, and a check that the engine's decode computes what the model's full forward does.
 
-    python scripts/zoo_sweep.py [--types a,b,...] [--workers N] [--out docs/zoo]
+    python scripts/zoo_sweep.py [--types a,b,...] [--update] [--workers N] [--out docs/zoo]
 
-writes ``<out>.json`` (every command's outcome, as each type finishes) and ``<out>.md`` (the table). A type is
+writes ``<out>.json`` (every command's outcome, as each type finishes) and ``<out>.md`` (the table); with
+``--update`` the types swept replace their rows in the tables already there, the others are kept. A type is
 supported when it profiles; "kept" lists the recipes the gate kept, "rolled back" those it rejected; a command that
 fails says why in its one line. A traceback anywhere is optiq's defect and is counted as such.
 """
@@ -130,6 +131,7 @@ def main() -> None:
     parser.add_argument("--types", help="model types, comma-separated (default: every decoder-only text type)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="types swept at once, one core each")
     parser.add_argument("--out", default=str(ROOT / "docs" / "zoo"))
+    parser.add_argument("--update", action="store_true", help="replace these types' rows, keep the others")
     parser.add_argument("--check", help=argparse.SUPPRESS)  # one type's decode check, in its own process
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -142,11 +144,16 @@ def main() -> None:
     from optiq.zoo import decoder_only_text_types
 
     types = args.types.split(",") if args.types else decoder_only_text_types()
-    out, rows = Path(args.out), []
+    out = Path(args.out)
+    kept = {}
+    if args.update and out.with_suffix(".json").is_file():
+        kept = {row["type"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
     header = f"# The zoo sweep (transformers {transformers.__version__}, CPU, fp32)"
+    order = {t: i for i, t in enumerate(decoder_only_text_types())}
     with ThreadPoolExecutor(args.workers) as pool:
         for row in pool.map(sweep_one, types):
-            rows.append(row)
+            kept[row["type"]] = row
+            rows = sorted(kept.values(), key=lambda r: (order.get(r["type"], len(order)), r["type"]))
             write_json(out.with_suffix(".json"), {"transformers": transformers.__version__, "rows": rows})
             print(f"{row['type']}: profiled {row['profile']['ok']}, kept {row.get('apply', {}).get('kept', [])} "
                   f"({row['seconds']} s)", flush=True)
