@@ -24,6 +24,17 @@ class NormSite:
     offset: bool  # the weight is applied as 1 + w (Gemma), not w
 
 
+def _output_like(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The module's output for ``x`` when it is one tensor of x's shape; None for anything else (a forward of
+    another signature or output is another structure)."""
+    try:
+        with torch.no_grad():
+            got = module(x)
+    except Exception:  # noqa: BLE001
+        return None
+    return got if isinstance(got, torch.Tensor) and got.shape == x.shape else None
+
+
 def rms_norm(module: torch.nn.Module) -> NormSite | None:
     """An RMSNorm-like module: one weight vector and an eps, no other parameter or submodule, and output
     ``x * rsqrt(mean(x^2) + eps)`` scaled by ``w`` or by ``1 + w`` over the last dim."""
@@ -39,12 +50,8 @@ def rms_norm(module: torch.nn.Module) -> NormSite | None:
     x = torch.randn(PROBE_ROWS, weight.shape[0], dtype=torch.float64, generator=generator).to(weight.device)
     with torch.no_grad():  # a weight of its own, never a constant one: with all ones, 2 x normed would pass as 1 + w
         probe.weight.copy_(0.5 + 0.2 * torch.randn(weight.shape, dtype=torch.float64, generator=generator))
-    try:
-        with torch.no_grad():
-            got = probe(x)
-    except Exception:  # a forward of another signature is another structure
-        return None
-    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+    got = _output_like(probe, x)
+    if got is None:
         return None
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + getattr(module, eps_attribute))
     w = probe.weight.detach()
@@ -115,12 +122,8 @@ def gated_mlp(module: torch.nn.Module) -> GatedMlpSite | None:
         return None
     weight = next(module.parameters())
     x = torch.randn(PROBE_ROWS, width, generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
-    try:
-        with torch.no_grad():
-            got = module(x)
-    except Exception:  # a forward of another signature is another structure
-        return None
-    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+    got = _output_like(module, x)
+    if got is None:
         return None
     tolerance = 1e-4 if weight.dtype in (torch.float32, torch.float64) else 2e-2
     for site in candidates:
