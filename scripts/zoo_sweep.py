@@ -120,7 +120,8 @@ def table(rows: list[dict], header: str) -> str:
         why = r["profile"]["why"] or apply.get("why", "") or decode.get("failed", "")
         if not why and decode.get("cache", "static") != "static":
             why = decode["cache"]
-        rolled = ", ".join(f"{n} ({reason[:60]})" if reason else n for n, reason in apply.get("rolled_back", {}).items())
+        rolled = ", ".join(f"{n} ({reason[:60]})" if reason else n
+                           for n, reason in apply.get("rolled_back", {}).items())
         lines.append(f"| {r['type']} | {cache} | {error} | {'yes' if r['profile']['ok'] else 'no'} | "
                      f"{', '.join(apply.get('kept', [])) or '-'} | {rolled or '-'} | {why.replace('|', '/')[:160]} |")
     return "\n".join(lines) + "\n"

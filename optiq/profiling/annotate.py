@@ -5,9 +5,9 @@ norms of q and k), ``rope``, ``kv_write``, ``attention``, ``repeat_kv`` (GQA's c
 attention), ``kv_expand`` (MLA's latent to keys and values), ``o_proj``, ``mixer`` (a recurrent or linear-attention
 layer's), ``mlp``, ``moe_router``, ``experts``, ``lm_head``, ``sampling``. Modules get theirs from the module tree's
 structure (profiling.roles); functions (RoPE, repeat_kv), the engine's cache writes and sampling by name. A range is
-named ``optiq/layer/<i>`` or ``optiq/role/<role>``; decode steps are ``optiq/step/<n>``. Annotation installs wrappers on the
-model's instances for the duration of a ``with annotated(...)`` block and removes them after, so an unannotated model
-pays nothing.
+named ``optiq/layer/<i>`` or ``optiq/role/<role>``; decode steps are ``optiq/step/<n>``. Annotation installs wrappers
+on the model's instances for the duration of a ``with annotated(...)`` block and removes them after, so an unannotated
+model pays nothing.
 """
 
 from __future__ import annotations

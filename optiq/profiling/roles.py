@@ -2,15 +2,15 @@
 optiq was never fitted to (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``, a user's own names) is attributed as Llama is.
 
 A decoder layer's children are its norms (a weight vector, perhaps a bias, and an eps), and the parts that compute
-with weight matrices: the first is the token mixer, the last (when there are
-two or more) the MLP. The mixer is attention unless the config says its layer is of another kind, or it holds a
-convolution (state-space and linear-attention mixers do; they are ``mixer``). Inside attention, the last registered
-projection that writes the hidden size is ``o_proj``, one that reads the compressed KV latent (MLA) ``kv_expand``,
-the others ``qkv_proj``, a norm a head wide ``qk_norm``. Inside the MLP, a module holding one weight per expert (a 3-D parameter, or a
-module list as long as the expert count) is ``experts``, a matrix with a row per expert ``moe_router``, a dense MLP
-beside them (shared experts) ``mlp``. Of a layer's
-norms the first is ``norm``; with exactly two, the second is ``post_attn_norm`` (the norm after the residual add that
-add_rmsnorm fuses); with more (post-norm placements, Gemma's four), they are all ``norm``.
+with weight matrices: the first is the token mixer, the last (when there are two or more) the MLP. The mixer is
+attention unless the config says its layer is of another kind, or it holds a convolution (state-space and
+linear-attention mixers do; they are ``mixer``). Inside attention, the last registered projection that writes the
+hidden size is ``o_proj``, one that reads the compressed KV latent (MLA) ``kv_expand``, the others ``qkv_proj``, a
+norm a head wide ``qk_norm``. Inside the MLP, a module holding one weight per expert (a 3-D parameter, or a module
+list as long as the expert count) is ``experts``, a matrix with a row per expert ``moe_router``, a dense MLP beside
+them (shared experts) ``mlp``. Of a layer's norms the first is ``norm``; with exactly two, the second is
+``post_attn_norm`` (the norm after the residual add that add_rmsnorm fuses); with more (post-norm placements, Gemma's
+four), they are all ``norm``.
 """
 
 from __future__ import annotations
