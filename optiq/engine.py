@@ -1,10 +1,12 @@
-"""The decode engine: a static KV cache, one prefill, then greedy decode steps at batch = concurrency.
+"""The decode engine: a KV cache (static wherever the model allows), one prefill, then greedy decode steps at
+batch = concurrency.
 
 Serving engines (vLLM, SGLang) replay one CUDA graph per batch size; ``mode="graph"`` does the same. A step is the
 model's forward for one token per sequence, the greedy pick of the next token and the advance of the positions, so
 one replay of the graph is one whole step and nothing in the loop waits on the host. The positions live in device
 tensors that the step itself advances: the cache's per-layer fill counters (transformers' StaticCache) and the
 ``position_ids`` buffer. ``seek`` rewinds both, which lets the timing loop repeat the same decode from the same prompt.
+A model whose layers a static cache cannot hold decodes eagerly with its own cache (``DecodeEngine``).
 """
 
 from __future__ import annotations
@@ -81,9 +83,10 @@ def _probe_static(model: torch.nn.Module, config) -> tuple[str, list]:
         return why_not, []
     device = next(model.parameters()).device
     tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
+    positions = {"position_ids": torch.arange(2, device=device)[None]} if "position_ids" in inspect.signature(
+        model.forward).parameters else {}
     try:
-        model(input_ids=tokens, position_ids=torch.arange(2, device=device)[None], use_cache=True,
-              **{_cache_kwarg(model): cache})
+        model(input_ids=tokens, use_cache=True, **positions, **{_cache_kwarg(model): cache})
     except Exception as exc:  # noqa: BLE001 - whatever the model's code raises on a cache it does not take
         return f"its forward does not take transformers' StaticCache ({type(exc).__name__}: {_first_line(exc)})", []
     if not any(getattr(layer, "is_initialized", False) for layer in cache.layers):
@@ -235,8 +238,7 @@ class DecodeEngine:
     def _capture(self) -> None:
         """Warm up on a side stream (as torch.cuda.graphs requires), capture one step, and rewind to where we were."""
         if not self.static:
-            raise CaptureError(f"--mode graph cannot capture this model's decode step: {self.why_not_static}, so it "
-                               "decodes with the cache it makes itself, which a graph cannot hold")
+            raise CaptureError(_uncapturable(self.why_not_static))
         start, tokens = self.length, self.tokens.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -260,13 +262,17 @@ class DecodeEngine:
         self.cache = None
 
 
+def _uncapturable(why_not_static: str) -> str:
+    return (f"--mode graph cannot capture this model's decode step: {why_not_static}, so it decodes with the cache "
+            "it makes itself, which a graph cannot hold")
+
+
 def graph_mode_problem(model: torch.nn.Module) -> str:
     """Why graph mode cannot run the model's decode steps ("" when it can): the model decodes with a cache of its
     own, or a step at batch 1 does not capture. Callers fall back to eager mode with this line."""
     cache, why_not = static_cache(model, 1)
     if cache is None:
-        return (f"--mode graph cannot capture this model's decode step: {why_not}, so it decodes with the cache it "
-                "makes itself, which a graph cannot hold")
+        return _uncapturable(why_not)
     try:
         with opened(model, 1, WARMUP_STEPS + 4, "graph") as engine:
             engine.prefill(torch.zeros(1, 2, dtype=torch.long))
