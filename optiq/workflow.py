@@ -72,8 +72,8 @@ class SweepProgress:
 @dataclass
 class Hooks:
     """How the run is shown and kept: ``save(record)`` after every step that changed it, ``status(text)`` around a
-    long step, ``sweep(label, points)`` around a throughput sweep, ``note(line)`` for what the user must know of how the
-    run went (a fallback)."""
+    long step, ``sweep(label, points)`` around a throughput sweep, ``note(line)`` for what the user must know of how
+    the run went (a fallback)."""
     save: Callable[[RunRecord], None] = lambda record: None
     status: Callable[[str], AbstractContextManager] = lambda text: nullcontext()
     sweep: Callable[[str, int], AbstractContextManager[SweepProgress]] = lambda label, points: nullcontext(

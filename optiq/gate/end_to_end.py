@@ -35,8 +35,7 @@ def decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, forced: tor
     of its own (all steps' logits of a large batch and vocabulary would not fit beside the reference's); and this
     model's own picks [steps + 1, batch]. Everything stays on the model's device: the loop neither waits for the
     device nor copies to the host."""
-    engine = DecodeEngine(model, prompt.shape[0], decode_cache_len(prompt.shape[1], steps), mode=mode,
-                          dtype=dtype)
+    engine = DecodeEngine(model, prompt.shape[0], decode_cache_len(prompt.shape[1], steps), mode=mode, dtype=dtype)
     for change in changes:
         change.redo()
     try:
