@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV2Config, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import (AutoConfig, AutoModelForCausalLM, DeepseekV2Config, Gemma3TextConfig, LlamaConfig,
+                          MistralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 from optiq import zoo
 from optiq.errors import OptiqError
@@ -61,6 +62,22 @@ PRESETS = {
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
         norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6,
         max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Shapes of google/gemma-3-1b: 26 layers, five sliding-window (512) layers to one global, one KV head of 256, GeGLU,
+    # a 262k vocabulary tied to the LM head (rope bases: the config's defaults, 10k local and 1M global).
+    "gemma-3-1b": lambda: Gemma3TextConfig(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, vocab_size=262144, sliding_window=512, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, tie_word_embeddings=True),
+    # Shapes of microsoft/Phi-3-mini-4k-instruct: fused qkv_proj and gate_up_proj, 32 heads without GQA.
+    "phi-3-mini": lambda: Phi3Config(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        vocab_size=32064, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Shapes of mistralai/Mistral-7B-v0.3 (no sliding window).
+    "mistral-7b": lambda: MistralConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=32768, max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     # Shapes of deepseek-ai/DeepSeek-V2-Lite: MLA (512-wide compressed KV latent + 64-wide shared rope key, no q
     # compression), 27 layers of which the first is dense, 64 routed experts (6 per token) and 2 shared ones.
     "deepseek-v2-lite": lambda: DeepseekV2Config(
