@@ -83,7 +83,7 @@ def sweep_one(model_type: str) -> dict:
     row: dict = {"type": model_type}
     with tempfile.TemporaryDirectory(prefix="optiq-zoo-") as runs:
         code, doc, why = _run([__file__, "--check", model_type], runs)
-        row["decode"] = doc if code == 0 and doc else {"failed": why}
+        row["decode"] = doc if code == 0 and doc else {"failed": why or f"exit {code}"}
         spec = ["--model", f"tiny:{model_type}", "--runs-dir", runs]
         code, doc, why = _run(["-m", "optiq", *PROFILE, *spec], runs)
         row["profile"] = {"ok": code == 0, "why": "" if code == 0 else why}
@@ -137,7 +137,11 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     if args.check:
-        print(json.dumps(check_decode(args.check)))
+        from optiq.errors import OptiqError
+        try:
+            print(json.dumps(check_decode(args.check)))
+        except OptiqError as exc:  # optiq's one line: the model is one it cannot serve, and says why
+            print(json.dumps({"failed": str(exc)}))
         return
     import transformers
 

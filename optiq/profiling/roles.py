@@ -121,8 +121,9 @@ def _attention_roles(attn: torch.nn.Module, prefix: str, config, roles: dict[str
         roles[f"{prefix}.{name}"] = role
     for name, module in attn.named_modules():
         if name and is_norm(module):
-            width = next(module.parameters()).shape[0]
-            roles[f"{prefix}.{name}"] = "qk_norm" if head_dim and width == head_dim else "norm"
+            weight = getattr(module, "weight", None)  # None: a norm without a learned scale
+            per_head = head_dim and weight is not None and weight.shape[0] == head_dim
+            roles[f"{prefix}.{name}"] = "qk_norm" if per_head else "norm"
 
 
 def _mlp_roles(mlp: torch.nn.Module, prefix: str, config, roles: dict[str, str]) -> None:
