@@ -48,3 +48,10 @@ def test_moe_and_mla_roles():
     assert roles["model.layers.0.self_attn.kv_a_layernorm"] == "norm"
     assert roles["model.norm"] == "norm" and roles["lm_head"] == "lm_head"
     assert roles["model.embed_tokens"] == "embed"
+
+
+def test_a_norm_without_a_learned_scale_is_a_norm():
+    """DiffLlama's group norm inside attention has no weight: a norm all the same (a width of its own, not a head's),
+    and no error."""
+    roles, _ = _layer0("tiny:diffllama")
+    assert roles["self_attn.groupnorm"] == "norm" and roles["self_attn.o_proj"] == "o_proj"
