@@ -88,8 +88,8 @@ class Patches:
             self.not_applicable[recipe.name] = str(exc)
             return
         if not sites:
-            self.not_applicable[recipe.name] = (f"the model has no {recipe.patch_kind.replace('_', ' ')} "
-                                                f"{recipe.target_label}")
+            self.not_applicable[recipe.name] = (f"no site in the model for its {recipe.patch_kind.replace('_', ' ')} "
+                                                f"patch of {recipe.target_label}")
             return
         for site in sites:
             change = site.bind(site.replacement)
