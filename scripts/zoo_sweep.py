@@ -77,10 +77,16 @@ def _run(args: list[str], cwd: str) -> tuple[int, dict | None, str]:
     return done.returncode, doc, _one_line(done.stderr)
 
 
+def _commit() -> str:
+    """The checkout's commit, which the row was swept at ("" outside a git checkout)."""
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
 def sweep_one(model_type: str) -> dict:
     """Every check of one model type, each command in a process of its own."""
     started = time.perf_counter()
-    row: dict = {"type": model_type}
+    row: dict = {"type": model_type, "commit": _commit()}
     with tempfile.TemporaryDirectory(prefix="optiq-zoo-") as runs:
         code, doc, why = _run([__file__, "--check", model_type], runs)
         row["decode"] = doc if code == 0 and doc else {"failed": why or f"exit {code}"}
@@ -104,13 +110,17 @@ def table(rows: list[dict], header: str) -> str:
     kept = [r for r in profiled if r.get("apply", {}).get("kept")]
     decoded = [r for r in rows if r["decode"].get("error", 1.0) <= DECODE_TOLERANCE]
     tracebacks = [r["type"] for r in rows if "TRACEBACK" in json.dumps(r)]
+    commits: dict[str, int] = {}
+    for r in rows:
+        commits[r.get("commit") or "unknown"] = commits.get(r.get("commit") or "unknown", 0) + 1
     lines = [header, "",
              f"- {len(rows)} decoder-only text model types; **{len(profiled)} profile cleanly "
              f"({100 * len(profiled) / max(len(rows), 1):.0f}%)**; recipes applied and kept on **{len(kept)} of those "
              f"({100 * len(kept) / max(len(profiled), 1):.0f}%)**.",
              f"- The engine's decode equals the model's full forward (fp32, relative error <= {DECODE_TOLERANCE:g}) "
              f"on {len(decoded)} of {len(rows)}.",
-             f"- Tracebacks (optiq's defects): {', '.join(tracebacks) or 'none'}.", "",
+             f"- Tracebacks (optiq's defects): {', '.join(tracebacks) or 'none'}.",
+             f"- Swept at: {', '.join(f'{c} ({n} types)' for c, n in commits.items())}.", "",
              "| model type | cache | decode error | profiled | kept by the gate | rolled back | why not, or notes |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
