@@ -113,7 +113,7 @@ class DecodeEngine:
     are device tensors, so a step can be captured in a CUDA graph and ``seek`` can move every sequence to any
     length. Any other model (recurrent or linear-attention layers, caches of its own) decodes in eager mode with the
     cache it returns from the prefill, which ``seek`` can only rewind to the end of the prefill (from a copy kept
-    then). ``forward`` replaces the model's own call in decode steps (e.g. a torch.compile'd forward); prefill always
+    then); a model that returns no cache recomputes the whole sequence at each step, as its generate does. ``forward`` replaces the model's own call in decode steps (e.g. a torch.compile'd forward); prefill always
     runs the model itself.
     """
 
@@ -137,6 +137,8 @@ class DecodeEngine:
                     layer.lazy_initialization(*(torch.empty(batch, heads, 0, width, dtype=self.dtype,
                                                             device=self.device) for width in (key_width, value_width)))
         self._prefilled: tuple[int, Cache] | None = None  # (length, copy of the cache then): the own cache's rewind
+        self.recompute = False  # a model that returns no cache at all: each step is a forward of the whole sequence
+        self._sequence: torch.Tensor | None = None  # [batch, length] tokens so far, for recompute
         self._params = set(inspect.signature(model.forward).parameters)
         self._cache_kw = _cache_kwarg(model)
         self._takes = {"position_ids", "cache_position", "logits_to_keep"} & self._params
@@ -151,12 +153,12 @@ class DecodeEngine:
         return self.why_not_static == ""
 
     def _model_call(self, fn: Callable, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        kwargs = {"use_cache": True}
+        kwargs = {"use_cache": not self.recompute}
         if self.cache is not None:
             kwargs[self._cache_kw] = self.cache
         if "position_ids" in self._takes:
             kwargs["position_ids"] = position_ids
-        if "cache_position" in self._takes and not self.static:  # recurrent models index their conv state by it
+        if "cache_position" in self._takes and not self.static and not self.recompute:  # recurrent models' conv state
             kwargs["cache_position"] = position_ids[0]
         if "logits_to_keep" in self._takes:
             kwargs["logits_to_keep"] = 1
@@ -170,13 +172,14 @@ class DecodeEngine:
                 raise  # a peer's failure and out of memory are the sweep's to record, a capture's _capture's
             raise OptiqError(f"{type(self.model).__name__}'s forward failed ({type(exc).__name__}: "
                              f"{_first_line(exc)})") from exc
-        if not self.static:
+        if not self.static and not self.recompute:
             returned = next((name for name in OWN_CACHE_OUTPUTS if getattr(out, name, None) is not None), None)
-            if returned is None:
-                raise OptiqError(f"{type(self.model).__name__} returns no cache: optiq decodes only models that do")
-            self.cache = getattr(out, returned)
-            if returned in self._params:  # the model takes its state back under the name it returned it by
-                self._cache_kw = returned
+            if returned is None:  # GPT-1, RecurrentGemma (its state lives in its modules): recompute from now on
+                self.recompute, self.why_not_static = True, f"{self.why_not_static}, and it returns no cache"
+            else:
+                self.cache = getattr(out, returned)
+                if returned in self._params:  # the model takes its state back under the name it returned it by
+                    self._cache_kw = returned
         return out.logits[:, -1]
 
     @torch.inference_mode()
@@ -188,7 +191,8 @@ class DecodeEngine:
         if self.static:
             self.seek(0)
         else:
-            self.cache = None  # the model starts a cache of its own
+            self.cache, self.recompute = None, False  # the model starts a cache of its own
+            self._sequence = prompt.to(self.device)
         positions = torch.arange(length, device=self.device).expand(batch, length)
         logits = self._model_call(self.model, prompt.to(self.device), positions)
         self.tokens.copy_(sample_greedy(logits))
@@ -206,6 +210,9 @@ class DecodeEngine:
                 for name, value in vars(layer).items():
                     if name.endswith("cumulative_length") and isinstance(value, torch.Tensor):
                         value.fill_(length)
+        elif self.recompute:
+            if self._sequence is None or length > self._sequence.shape[1]:
+                raise OptiqError(f"{type(self.model).__name__}'s decode holds no tokens up to {length} positions")
         elif self._prefilled is None or length != self._prefilled[0]:
             raise OptiqError(f"{type(self.model).__name__}'s own cache cannot be rewound to {length} positions "
                              f"({self.why_not_static})")
@@ -215,7 +222,12 @@ class DecodeEngine:
         self.length = length
 
     def _step(self) -> torch.Tensor:
-        logits = self._model_call(self.forward, self.tokens, self.positions)
+        if self.recompute:
+            self._sequence = torch.cat([self._sequence[:, :self.length], self.tokens], dim=1)
+            positions = torch.arange(self._sequence.shape[1], device=self.device).expand(self.batch, -1)
+            logits = self._model_call(self.forward, self._sequence, positions)
+        else:
+            logits = self._model_call(self.forward, self.tokens, self.positions)
         self.tokens.copy_(sample_greedy(logits))
         self.positions.add_(1)
         return logits

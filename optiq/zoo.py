@@ -101,6 +101,10 @@ def tiny_config(model_type: str):
     patterned = {**depth, "num_hidden_layers": max([LAYERS] + [default_types.index(k) + 1 for k in kinds])}
     if len(kinds) > 1:
         depth["layer_types"] = kinds
+    if config_value(default, "attention_types"):  # GPT-Neo: [[pattern, repeats]] must cover the layers
+        depth["attention_types"] = [[["global", "local"], LAYERS // 2]]
+    if "attn_layer_indices" in fields and all(kind == "linear_attention" for kind in kinds):
+        depth["attn_layer_indices"] = [LAYERS - 1]  # Bamba's default has no attention layer, which its code needs
     errors = []
     for shrunk in ({**widths, **depth}, {**widths, **patterned}, depth, patterned):
         try:
