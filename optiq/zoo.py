@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import transformers
 from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
@@ -74,7 +75,8 @@ def tiny_config(model_type: str):
     widths (widths tied to each other in ways TINY does not know) keeps its own widths and gets only two layers and
     the tiny vocabulary."""
     if model_type not in CONFIG_MAPPING:
-        raise OptiqError(f"unknown model type '{model_type}': transformers {_version()} has no config for it")
+        raise OptiqError(f"unknown model type '{model_type}': transformers {transformers.__version__} has no config "
+                         "for it")
     config_class = CONFIG_MAPPING[model_type]
     try:
         default = config_class()
@@ -93,20 +95,19 @@ def tiny_config(model_type: str):
     depth = {"vocab_size": vocab, **{name: 0 for name in ("pad_token_id", "bos_token_id", "eos_token_id")
                                      if isinstance(config_value(default, name), int)
                                      and config_value(default, name) >= vocab}}
-    default_types = list(config_value(default, "layer_types") or [])
-    kinds = list(dict.fromkeys(default_types))
-    # One layer of each type where the config takes a list; where the types follow from offsets and periods
-    # (Jamba), as many layers as it takes for each type to appear.
-    depth["num_hidden_layers"] = max(LAYERS, len(kinds))
-    patterned = {**depth, "num_hidden_layers": max([LAYERS] + [default_types.index(k) + 1 for k in kinds])}
-    if len(kinds) > 1:
-        depth["layer_types"] = kinds
     if config_value(default, "attention_types"):  # GPT-Neo: [[pattern, repeats]] must cover the layers
         depth["attention_types"] = [[["global", "local"], LAYERS // 2]]
-    if "attn_layer_indices" in fields and all(kind == "linear_attention" for kind in kinds):
+    default_types = list(config_value(default, "layer_types") or [])
+    kinds = list(dict.fromkeys(default_types))
+    if "attn_layer_indices" in fields and kinds == ["linear_attention"]:
         depth["attn_layer_indices"] = [LAYERS - 1]  # Bamba's default has no attention layer, which its code needs
+    # One layer of each type where the config takes a list; where the types follow from offsets and periods
+    # (Jamba), as many layers as it takes for each type to appear.
+    listed = {**depth, "num_hidden_layers": max(LAYERS, len(kinds)), **({"layer_types": kinds} if len(kinds) > 1
+                                                                         else {})}
+    patterned = {**depth, "num_hidden_layers": max([LAYERS] + [default_types.index(k) + 1 for k in kinds])}
     errors = []
-    for shrunk in ({**widths, **depth}, {**widths, **patterned}, depth, patterned):
+    for shrunk in ({**widths, **listed}, {**widths, **patterned}, listed, patterned):
         try:
             return config_class(**shrunk)
         except Exception as exc:  # noqa: BLE001 - a validator that ties widths together: try fewer changes
@@ -116,8 +117,3 @@ def tiny_config(model_type: str):
 
 def _first_line(exc: BaseException) -> str:
     return next(iter(str(exc).splitlines()), type(exc).__name__)
-
-
-def _version() -> str:
-    import transformers
-    return transformers.__version__
