@@ -23,7 +23,7 @@ from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from optiq.errors import OptiqError
 
 WARMUP_STEPS = 3
-OWN_CACHE_OUTPUTS = ("past_key_values", "cache_params", "cache", "state", "mems")  # where models return their state
+OWN_CACHE_OUTPUTS = ("past_key_values", "cache_params", "cache", "state", "mems")  # where models return state
 
 
 class CaptureError(OptiqError):
@@ -113,7 +113,8 @@ class DecodeEngine:
     are device tensors, so a step can be captured in a CUDA graph and ``seek`` can move every sequence to any
     length. Any other model (recurrent or linear-attention layers, caches of its own) decodes in eager mode with the
     cache it returns from the prefill, which ``seek`` can only rewind to the end of the prefill (from a copy kept
-    then); a model that returns no cache recomputes the whole sequence at each step, as its generate does. ``forward`` replaces the model's own call in decode steps (e.g. a torch.compile'd forward); prefill always
+    then); a model that returns no transformers cache recomputes the whole sequence at each step, exact where a
+    state of its own (RWKV's, XLNet's memory) is not. ``forward`` replaces the model's own call in decode steps (e.g. a torch.compile'd forward); prefill always
     runs the model itself.
     """
 
@@ -137,7 +138,7 @@ class DecodeEngine:
                     layer.lazy_initialization(*(torch.empty(batch, heads, 0, width, dtype=self.dtype,
                                                             device=self.device) for width in (key_width, value_width)))
         self._prefilled: tuple[int, Cache] | None = None  # (length, copy of the cache then): the own cache's rewind
-        self.recompute = False  # a model that returns no cache at all: each step is a forward of the whole sequence
+        self.recompute = False  # a model without a cache to continue from: each step is a forward of the sequence
         self._sequence: torch.Tensor | None = None  # [batch, length] tokens so far, for recompute
         self._params = set(inspect.signature(model.forward).parameters)
         self._cache_kw = _cache_kwarg(model)
@@ -174,8 +175,12 @@ class DecodeEngine:
                              f"{_first_line(exc)})") from exc
         if not self.static and not self.recompute:
             returned = next((name for name in OWN_CACHE_OUTPUTS if getattr(out, name, None) is not None), None)
-            if returned is None:  # GPT-1, RecurrentGemma (its state lives in its modules): recompute from now on
-                self.recompute, self.why_not_static = True, f"{self.why_not_static}, and it returns no cache"
+            if returned is None or not isinstance(getattr(out, returned), Cache):
+                # GPT-1 and RecurrentGemma return none; RWKV's state and XLNet's memory are not a cache a step can
+                # continue from exactly: recompute from now on
+                self.recompute = True
+                self.why_not_static += ", and it returns no cache" if returned is None else \
+                    f", and its {returned} is not a transformers cache"
             else:
                 self.cache = getattr(out, returned)
                 if returned in self._params:  # the model takes its state back under the name it returned it by
