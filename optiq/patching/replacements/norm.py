@@ -14,7 +14,11 @@ def rmsnorm_forward(module: torch.nn.Module, fusion):
     if site is None:
         raise ValueError(f"{type(module).__name__} does not compute an RMSNorm")
 
-    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+    own_forward = type(module).forward.__get__(module)
+
+    def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args or kwargs:  # a gated norm (Mamba-2's, given its gate): not the structure the kernel computes
+            return own_forward(hidden_states, *args, **kwargs)
         return fusion(hidden_states, module.weight, getattr(module, site.eps_attribute), site.offset)
 
     return forward
