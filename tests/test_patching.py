@@ -110,8 +110,8 @@ def test_not_applicable_is_reported_with_the_reason():
     from optiq.models import load_model
 
     model = load_model("tiny-qwen3-moe", torch.float32, torch.device("cpu"))
-    patches = apply(model, [load_catalog()["swiglu"]])
-    assert patches.applied == {} and "qwen3_moe" in patches.not_applicable["swiglu"]
+    patches = apply(model, [load_catalog()["swiglu"]])  # every MLP of this preset is experts: no gated MLP module
+    assert patches.applied == {} and "gated_mlp" in patches.not_applicable["swiglu"]
     assert "forward" not in vars(model.model.layers[0].mlp)
 
 
@@ -120,7 +120,7 @@ def test_two_recipes_on_one_module_class_are_refused():
 
     catalog = load_catalog()
     model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
-    with pytest.raises(OptiqError, match="'gate_up_swiglu' and 'swiglu' both patch the module class LlamaMLP"):
+    with pytest.raises(OptiqError, match="'gate_up_swiglu' and 'swiglu' both patch the module structure gated_mlp"):
         apply(model, [catalog["gate_up_swiglu"], catalog["swiglu"]])
     assert patches_of(model) is None and "forward" not in vars(model.model.layers[0].mlp)
 
