@@ -20,7 +20,7 @@ import torch
 from transformers import Cache, StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-from optiq.errors import OptiqError
+from optiq.errors import OptiqError, first_line
 
 WARMUP_STEPS = 3
 OWN_CACHE_OUTPUTS = ("past_key_values", "cache_params", "cache", "state", "mems")  # where models return state
@@ -64,7 +64,7 @@ def _full_length_cache(config, max_len: int) -> tuple[Cache | None, str]:
     try:
         cache = StaticCache(config=config, max_cache_len=max_len)
     except Exception as exc:  # noqa: BLE001 - a layer type StaticCache does not know
-        return None, f"transformers' StaticCache cannot hold it ({type(exc).__name__}: {_first_line(exc)})"
+        return None, f"transformers' StaticCache cannot hold it ({type(exc).__name__}: {first_line(exc)})"
     layers = []
     for layer in cache.layers:
         if isinstance(layer, StaticSlidingWindowLayer):
@@ -88,15 +88,11 @@ def _probe_static(model: torch.nn.Module, config) -> tuple[str, list]:
     try:
         model(input_ids=tokens, use_cache=True, **positions, **{_cache_kwarg(model): cache})
     except Exception as exc:  # noqa: BLE001 - whatever the model's code raises on a cache it does not take
-        return f"its forward does not take transformers' StaticCache ({type(exc).__name__}: {_first_line(exc)})", []
+        return f"its forward does not take transformers' StaticCache ({type(exc).__name__}: {first_line(exc)})", []
     if not any(getattr(layer, "is_initialized", False) for layer in cache.layers):
         return "it keeps its state outside transformers' cache", []
     return "", [(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1])
                 if getattr(layer, "is_initialized", False) else None for layer in cache.layers]
-
-
-def _first_line(exc: BaseException) -> str:
-    return next(iter(str(exc).splitlines()), "")
 
 
 def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -172,7 +168,7 @@ class DecodeEngine:
             if fn is not self.model or capturing or "out of memory" in str(exc).lower():
                 raise  # a peer's failure and out of memory are the sweep's to record, a capture's _capture's
             raise OptiqError(f"{type(self.model).__name__}'s forward failed ({type(exc).__name__}: "
-                             f"{_first_line(exc)})") from exc
+                             f"{first_line(exc)})") from exc
         if not self.static and not self.recompute:
             returned = next((name for name in OWN_CACHE_OUTPUTS if getattr(out, name, None) is not None), None)
             if returned is None or not isinstance(getattr(out, returned), Cache):
@@ -268,7 +264,7 @@ class DecodeEngine:
             with torch.cuda.graph(graph):
                 self.graph_logits = self._step()
         except RuntimeError as exc:
-            raise CaptureError(f"--mode graph cannot capture this model's decode step ({_first_line(exc)})") from exc
+            raise CaptureError(f"--mode graph cannot capture this model's decode step ({first_line(exc)})") from exc
         self.graph = graph
         self.seek(start)
         self.tokens.copy_(tokens)

@@ -9,3 +9,8 @@ EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM; what was measured is on disk, the r
 
 class OptiqError(Exception):
     """A problem with the user's input, reported as one line and exit code 1 (never a traceback)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name if it has none), for a one-line report."""
+    return next(iter(str(exc).splitlines()), type(exc).__name__)

@@ -21,7 +21,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, DeepseekV2Config, Ge
                           MistralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 from optiq import zoo
-from optiq.errors import OptiqError
+from optiq.errors import OptiqError, first_line
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -184,8 +184,7 @@ def random_model(config, dtype: torch.dtype, device: torch.device) -> torch.nn.M
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     except Exception as exc:  # noqa: BLE001 - the architecture's own constructor: one line, not its traceback
-        first = next(iter(str(exc).splitlines()), "")
-        raise OptiqError(f"{config.model_type} does not build: {type(exc).__name__}: {first}") from None
+        raise OptiqError(f"{config.model_type} does not build: {type(exc).__name__}: {first_line(exc)}") from None
     redraw_constants(model)
     return model
 

@@ -17,7 +17,7 @@ import transformers
 from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-from optiq.errors import OptiqError
+from optiq.errors import OptiqError, first_line
 
 PREFIX = "tiny:"
 
@@ -31,6 +31,7 @@ TINY = {
     "max_position_embeddings": 2048, "first_k_dense_replace": 1,
 }
 LAYERS = 2
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")  # configs' names
 
 
 def config_value(config, *names: str):
@@ -81,7 +82,7 @@ def tiny_config(model_type: str):
     try:
         default = config_class()
     except Exception as exc:  # noqa: BLE001 - the config's own validation, in one line
-        raise OptiqError(f"{model_type}'s default config does not build: {_first_line(exc)}") from None
+        raise OptiqError(f"{model_type}'s default config does not build: {first_line(exc)}") from None
     fields = _fields(config_class) | set(vars(default))
     widths = {name: value for name, value in TINY.items() if name in fields}
     if config_value(default, "num_experts_per_tok") and "num_experts_per_tok" in widths:
@@ -111,9 +112,5 @@ def tiny_config(model_type: str):
         try:
             return config_class(**shrunk)
         except Exception as exc:  # noqa: BLE001 - a validator that ties widths together: try fewer changes
-            errors.append(_first_line(exc))
+            errors.append(first_line(exc))
     raise OptiqError(f"{model_type} does not build from a shrunken config: {errors[0]}")
-
-
-def _first_line(exc: BaseException) -> str:
-    return next(iter(str(exc).splitlines()), type(exc).__name__)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from optiq.rundir import write_json
-from optiq.zoo import config_value
+from optiq.zoo import ATTENTION_LAYER_TYPES, config_value
 from optiq.measure.timing import Timer
 
 
@@ -105,7 +105,7 @@ def kv_bytes_per_step(model: torch.nn.Module, batch: int, length: float) -> floa
     types = config_value(config, "layer_types") or ["full_attention"] * config.num_hidden_layers
     window = config_value(config, "sliding_window") or length
     positions = sum(min(length, window) if kind == "sliding_attention" else length
-                    for kind in types if kind in ("full_attention", "sliding_attention", "chunked_attention"))
+                    for kind in types if kind in ATTENTION_LAYER_TYPES)
     element = next(model.parameters()).element_size()
     return batch * heads * (key_width + value_width) * positions * element
 

@@ -18,9 +18,7 @@ from __future__ import annotations
 import torch
 
 from optiq.patching.structure import EPS_ATTRIBUTES
-from optiq.zoo import config_value
-
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+from optiq.zoo import ATTENTION_LAYER_TYPES, config_value
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
