@@ -12,8 +12,15 @@ Layouts:
   k_cache  [B, Hkv, L_max, D] (unit last stride); v_cache likewise
   lengths  [B] int32/int64    valid positions per sequence (the new token's K/V already at lengths-1);
                               a length of 0 (an idle batch slot) gives zeros
+  starts   [B] or None        first attended position per sequence (a sliding window's start); 0 when None
+  sinks    [Hq] or None       per-head attention-sink logits (GPT-OSS): a column every row's softmax counts in
+                              its denominator, with no value
   returns  [B, 1, Hq, D]      in q's dtype: what HF's attention interface returns (attn_output before
                               the reshape to [B, 1, Hq*D])
+
+The variants the transformers zoo asks of decode attention are parameters of the one kernel: a sliding window
+(positions from `starts` on only: Mistral, Gemma 2/3, GPT-OSS), logit softcapping (scores become
+softcap * tanh(scores / softcap), Gemma 2) and attention sinks.
 """
 
 import os
@@ -28,10 +35,26 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def split_bounds(lengths_ptr, batch, split, split_len):
-    """[start, end) of the filled positions a split owns; empty (end <= start) past the sequence's length."""
+def split_bounds(lengths_ptr, starts_ptr, batch, split, split_len, HAS_STARTS: tl.constexpr):
+    """[start, end) of the attended positions a split owns: the filled ones from the sequence's start on (0
+    without starts); empty (end <= start) for a split wholly outside them."""
     start = split * split_len
-    return start, tl.minimum(start + split_len, tl.load(lengths_ptr + batch).to(tl.int32))
+    if HAS_STARTS:
+        start = tl.maximum(start, tl.load(starts_ptr + batch).to(tl.int32))
+    return start, tl.minimum(split * split_len + split_len, tl.load(lengths_ptr + batch).to(tl.int32))
+
+
+@triton.jit
+def accurate_tanh(x):
+    """tanh to fp32's precision at every magnitude: an odd Taylor polynomial below 1/4 (where (1 - e^-2x) /
+    (1 + e^-2x) loses digits to cancellation: softcap 50 bends scores of a few units, x ~ 0.02), that quotient
+    above. The Triton interpreter has no libdevice tanh, so the kernel computes its own."""
+    magnitude = tl.abs(x)
+    x2 = x * x
+    polynomial = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    t = tl.exp2(-2.8853900817779268 * magnitude)  # e^(-2|x|); a module-level float is no constant to the JIT
+    quotient = tl.where(x < 0, -1.0, 1.0) * (1.0 - t) / (1.0 + t)
+    return tl.where(magnitude < 0.25, polynomial, quotient)
 
 
 @triton.jit
@@ -57,14 +80,14 @@ def split_result(running_max, running_sum, acc):
 
 @triton.jit
 def _decode_attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, lengths_ptr, partial_out_ptr, partial_lse_ptr,
-    scale_log2e,
+    q_ptr, k_ptr, v_ptr, lengths_ptr, starts_ptr, partial_out_ptr, partial_lse_ptr,
+    scale_log2e, softcap_log2e,
     q_stride_b, q_stride_h,
     k_stride_b, k_stride_h, k_stride_n,
     v_stride_b, v_stride_h, v_stride_n,
     num_kv_heads, group_size, head_dim, split_len, num_splits,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr, SOFTCAP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One (sequence, kv head, split): online softmax over the split's valid positions for the whole query group.
@@ -78,7 +101,7 @@ def _decode_attention_split_kernel(
     batch = (pid_bh // num_kv_heads).to(tl.int64)
     kv_head = pid_bh % num_kv_heads
 
-    start, end = split_bounds(lengths_ptr, batch, split, split_len)
+    start, end = split_bounds(lengths_ptr, starts_ptr, batch, split, split_len, HAS_STARTS)
 
     rows = tl.arange(0, BLOCK_G)
     cols = tl.arange(0, BLOCK_D)
@@ -110,6 +133,8 @@ def _decode_attention_split_kernel(
             v = v.to(tl.float32)
         # the cast keeps scores fp32 when torch.compile hands the scale over as a float64 constant
         scores = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e).to(tl.float32)
+        if SOFTCAP:  # cap * tanh(s / cap) holds in log2 units too
+            scores = softcap_log2e * accurate_tanh(scores / softcap_log2e)
         scores = tl.where(pos_mask[None, :], scores, float("-inf"))
         running_max, running_sum, acc = online_softmax_step(scores, v, running_max, running_sum, acc, DOT_PRECISION)
 
@@ -124,11 +149,13 @@ def _decode_attention_split_kernel(
 
 @triton.jit
 def _decode_attention_combine_kernel(
-    partial_out_ptr, partial_lse_ptr, out_ptr, head_dim, num_splits,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    partial_out_ptr, partial_lse_ptr, sinks_ptr, out_ptr, head_dim, num_splits, num_q_heads,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One (sequence, query head): weight each split's output by exp2(lse - max lse); empty splits weigh zero."""
+    """One (sequence, query head): weight each split's output by exp2(lse - max lse); empty splits weigh zero.
+
+    A sink adds its exp2 to the denominator only (it has no value), pivoted with the splits' max."""
     wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
@@ -138,13 +165,20 @@ def _decode_attention_combine_kernel(
 
     lse = tl.load(partial_lse_ptr + row * num_splits + splits, mask=split_mask, other=float("-inf"))
     max_lse = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + row % num_q_heads).to(tl.float32) * 1.4426950408889634
+        max_lse = tl.maximum(max_lse, sink)
     # a finite pivot even when every split is empty (length 0): exp2(-inf - pivot) is then a clean 0
-    weights = tl.exp2(lse - tl.where(max_lse > float("-inf"), max_lse, 0.0))
+    pivot = tl.where(max_lse > float("-inf"), max_lse, 0.0)
+    weights = tl.exp2(lse - pivot)
     partial = tl.load(
         partial_out_ptr + (row * num_splits + splits)[:, None] * head_dim + cols[None, :],
         mask=split_mask[:, None] & col_mask[None, :], other=0.0,
     )
-    total = tl.maximum(tl.sum(weights, axis=0), 1e-30)
+    total = tl.sum(weights, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - pivot)
+    total = tl.maximum(total, 1e-30)
     out = tl.sum(partial * weights[:, None], axis=0) / total
     tl.store(out_ptr + row * head_dim + cols, out, mask=col_mask)
 
@@ -174,7 +208,8 @@ def _launch_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, d
 
 @torch.library.triton_op("optiq::decode_attention", mutates_args=())
 def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                         scale: float, num_splits: int | None = None) -> torch.Tensor:
+                         scale: float, num_splits: int | None = None, starts: torch.Tensor | None = None,
+                         softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     batch, num_q_heads, q_len, head_dim = q.shape
     _, num_kv_heads, max_len, _ = k_cache.shape
     torch._check(q_len == 1, lambda: "decode_attention takes one query token per sequence")
@@ -193,47 +228,61 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     torch.library.wrap_triton(_decode_attention_split_kernel)[(batch * num_kv_heads, splits)](
-        q, k_cache, v_cache, lengths, partial_out, partial_lse,
-        scale * LOG2E,
+        q, k_cache, v_cache, lengths, lengths if starts is None else starts, partial_out, partial_lse,
+        scale * LOG2E, softcap * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_kv_heads, group_size, head_dim, split_len, splits,
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST_DOT=interpreted, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_STARTS=starts is not None, SOFTCAP=softcap > 0,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )
     torch.library.wrap_triton(_decode_attention_combine_kernel)[(batch * num_q_heads,)](
-        partial_out, partial_lse, out, head_dim, splits,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        partial_out, partial_lse, partial_lse if sinks is None else sinks, out, head_dim, splits, num_q_heads,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, HAS_SINKS=sinks is not None,
         num_warps=4, **launch_options(q),
     )
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     scale: float, num_splits: int | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale) v over each sequence's first lengths[b] cache positions; returns [B, 1, Hq, D].
+                     scale: float, num_splits: int | None = None, starts: torch.Tensor | None = None,
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over cache positions [starts[b], lengths[b]) of each sequence; returns [B, 1, Hq, D].
 
-    num_splits overrides the shape-based choice of KV splits (for tests and tuning).
+    softcap > 0 caps the scores, sinks add a per-head logit to each softmax's denominator. num_splits overrides
+    the shape-based choice of KV splits (for tests and tuning).
     """
-    return torch.ops.optiq.decode_attention(q, k_cache, v_cache, lengths, scale, num_splits)
+    return torch.ops.optiq.decode_attention(q, k_cache, v_cache, lengths, scale, num_splits, starts, softcap, sinks)
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """Masked softmax in float64, grouping query heads by kv head instead of copying K/V.
+                               lengths: torch.Tensor, scale: float, starts: torch.Tensor | None = None,
+                               softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Masked softmax in float64, grouping query heads by kv head instead of copying K/V; the sinks as an extra
+    score column whose probability is dropped, as transformers' eager GPT-OSS attention computes them.
 
     Returns [B, 1, Hq, D] in q's dtype; zeros for a sequence of length 0."""
     batch, num_q_heads, _, head_dim = q.shape
     num_kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
     grouped_q = q.double().reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    valid = torch.arange(max_len, device=q.device)[None, :] < lengths.to(q.device)[:, None]
+    positions = torch.arange(max_len, device=q.device)[None, :]
+    valid = positions < lengths.to(q.device)[:, None]
+    if starts is not None:
+        valid &= positions >= starts.to(q.device)[:, None]
     keys = torch.where(valid[:, None, :, None], k_cache.double(), 0.0)
     values = torch.where(valid[:, None, :, None], v_cache.double(), 0.0)
     scores = torch.einsum("bhgd,bhnd->bhgn", grouped_q, keys) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.where(valid.any(dim=-1)[:, None, None, None], scores.softmax(dim=-1), 0.0)
+    if sinks is not None:
+        sink_column = sinks.double().reshape(1, num_kv_heads, -1, 1).expand(batch, -1, -1, 1)
+        scores = torch.cat([scores, sink_column], dim=-1)
+    probs = scores.softmax(dim=-1)[..., :max_len]
+    probs = torch.where(valid.any(dim=-1)[:, None, None, None], probs, 0.0)
     out = torch.einsum("bhgn,bhnd->bhgd", probs, values)
     return out.reshape(batch, 1, num_q_heads, head_dim).to(q.dtype)
 

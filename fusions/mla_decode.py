@@ -40,7 +40,7 @@ def _mla_split_kernel(
     wait_for_predecessor(USE_PDL)
     batch = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    start, end = split_bounds(lengths_ptr, batch, split, split_len)
+    start, end = split_bounds(lengths_ptr, lengths_ptr, batch, split, split_len, HAS_STARTS=False)
 
     heads = tl.arange(0, BLOCK_H)
     cols_r = tl.arange(0, BLOCK_R)
@@ -112,8 +112,9 @@ def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, c_cache: torch.Tenso
         num_warps=8, num_stages=2, **launch_options(q_lat),
     )
     torch.library.wrap_triton(_decode_attention_combine_kernel)[(batch * num_heads,)](
-        partial_out, partial_lse, out, latent, splits,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_r, num_warps=4, **launch_options(q_lat),
+        partial_out, partial_lse, partial_lse, out, latent, splits, num_heads,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_r, HAS_SINKS=False, num_warps=4,
+        **launch_options(q_lat),
     )
     return out
 

@@ -10,6 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from optiq.catalog.recipes import load_catalog
 from optiq.gate import GatePlan, validate
+from optiq.gate.mutants import verify
 from optiq.models import load_model
 from optiq.patching import apply, unpatch
 from optiq.patching.structure import gated_mlp, rms_norm
@@ -132,3 +133,23 @@ def test_variants_the_kernels_handle_or_hand_back_pass_the_gate(spec, names):
         unpatch(model)
     assert not report.rolled_back and report.passed, report.recipes
     assert all(report.recipes[n].calls > 0 for n in names)
+
+
+@pytest.mark.parametrize("spec, variants", [
+    ("tiny:gemma3_text", ["sliding window forgotten"]),  # sdpa; sliding layers interleaved with full ones
+    ("tiny:gemma2", ["sliding window forgotten", "softcap forgotten"]),  # eager: softcap is beyond sdpa
+    ("tiny:gpt_oss", ["sliding window forgotten", "sinks forgotten"]),  # eager: per-head sinks
+])
+def test_decode_attention_computes_the_zoo_variants_and_forgetting_one_is_caught(spec, variants):
+    """The prompt outgrows the tiny configs' 32-position window, so forgetting the window changes the function; the
+    kernel must run on these calls (not hand them back), so the mutants that forget a variant alter something.
+    Random weights give scores of a few thousandths, which Gemma 2's cap of 50 leaves straight: a cap of that size
+    bends them."""
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+    for attention in (m for m in model.modules() if getattr(m, "attn_logit_softcapping", None)):
+        attention.attn_logit_softcapping = 0.003
+    results = verify(model, [load_catalog()["decode_attention"]], GatePlan((2,), steps=3, prompt_len=40))
+    result = results["decode_attention"]
+    assert result.real == "passed", result.real
+    status = {mutant.name: mutant.status for mutant in result.mutants}
+    assert all(status[name] == "killed" for name in variants), {n: status[n] for n in variants}

@@ -10,6 +10,7 @@ kernels:
 - a dropped first or last block: the first block (an eighth) of the first input's last dim read as zeros, or the last;
 - a forgotten weight, bias or eps: norm weights read as ones (zeros for a Gemma-style offset weight), no bias,
   eps 0;
+- a forgotten attention variant: no sliding window (``starts`` dropped), no logit softcap, no attention sinks;
 - a scale off by a few percent: float outputs times 1 + 2^-6;
 - accumulation in the input dtype: a GEMM's K split in four, partial sums rounded to the input dtype (for kernels
   of nn.Linear's signature: ``x``, a 2-D ``weight``, ``bias``);
@@ -36,6 +37,9 @@ from optiq.patching import Patches, apply
 from optiq.record import MutationScore
 
 LENGTH_PARAMETERS = ("lengths", "positions", "seq_lens", "cache_seqlens")
+# attention variants a kernel may take, each with the value that turns it off, and the mutant that forgets it
+VARIANT_PARAMETERS = {"starts": (None, "sliding window forgotten"), "softcap": (0.0, "softcap forgotten"),
+                      "sinks": (None, "sinks forgotten")}
 SCALE_ERROR = 2.0 ** -6
 
 
@@ -150,6 +154,20 @@ def _eps_forgotten(bound):
     return False
 
 
+def _variant_forgotten(name: str) -> Callable[[inspect.BoundArguments], bool]:
+    """The variant parameter ``name`` set to its neutral value; altered where it held another (a window that starts
+    past position 0 somewhere, a nonzero cap, sinks given)."""
+    neutral = VARIANT_PARAMETERS[name][0]
+
+    def change(bound):
+        value = bound.arguments.get(name)
+        if value is None or (not isinstance(value, torch.Tensor) and value == neutral):
+            return False
+        bound.arguments[name] = neutral
+        return value.ne(0).any() if name == "starts" else True
+    return change
+
+
 def _length_short(bound):
     for key in LENGTH_PARAMETERS:
         if isinstance(bound.arguments.get(key), torch.Tensor):
@@ -240,6 +258,8 @@ def mutants(kernel: Callable) -> list[Mutant]:
         found.append(_argument_mutant("bias forgotten", "a forgotten bias", _bias_forgotten))
     if "eps" in names:
         found.append(_argument_mutant("eps forgotten", "a forgotten eps", _eps_forgotten))
+    found += [_argument_mutant(VARIANT_PARAMETERS[n][1], "a forgotten attention variant", _variant_forgotten(n))
+              for n in VARIANT_PARAMETERS if n in names]
     if _is_linear(kernel):
         found.append(Mutant("split-K partials in the input dtype", "accumulation in the input dtype",
                             _split_k_in_input_dtype))

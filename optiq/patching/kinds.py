@@ -98,10 +98,11 @@ class Function(PatchKind):
 
 
 class AttentionInterface(PatchKind):
-    """An attention function and its mask function (``factory(fusion) -> (attention, mask)``) registered under the
-    recipe's name with transformers' AttentionInterface and AttentionMaskInterface, and the model pointed at it (a
-    custom attention without its mask function gets mask=None in static-cache decode). The gate calls the pair as
-    one: the mask from its recorded arguments, then the attention."""
+    """An attention function and its mask function (``factory(fusion, replaced) -> (attention, mask)``, replaced
+    being the pair the model ran: a registered implementation, or eager) registered under the recipe's name with
+    transformers' AttentionInterface and AttentionMaskInterface, and the model pointed at it (a custom attention
+    without its mask function gets mask=None in static-cache decode). The gate calls the pair as one: the mask from
+    its recorded arguments, then the attention."""
 
     name, target_field, unit = "attention_interface", "interface", "interfaces"
 
@@ -114,21 +115,26 @@ class AttentionInterface(PatchKind):
         from transformers.modeling_utils import AttentionInterface as Registry
 
         name, current = recipe.patch_target[0], model.config._attn_implementation
-        if current not in Registry._global_mapping or current not in AttentionMaskInterface._global_mapping:
+        if current == "eager":  # each modeling module has its own eager forward (softcap, sinks, ...)
+            original = (_eager_attention, AttentionMaskInterface._global_mapping["eager"])
+        elif current in Registry._global_mapping and current in AttentionMaskInterface._global_mapping:
+            original = (Registry._global_mapping[current], AttentionMaskInterface._global_mapping[current])
+        else:
             raise ValueError(f"the model runs attention '{current}', which has no interface function to compare with")
-        original = (Registry._global_mapping[current], AttentionMaskInterface._global_mapping[current])
 
         def bind(pair):
             return together(f"attention interface {name}", [
                 set_item(Registry._global_mapping, name, pair[0]),
                 set_item(AttentionMaskInterface._global_mapping, name, pair[1]), _set_attention(model, name)])
 
-        return [Site(f"attention interface {name} (was {current})", original, factory(fusion), bind)]
+        return [Site(f"attention interface {name} (was {current})", original, factory(fusion, original), bind)]
 
     def call(self, path):
+        """The attention output alone: the weights an eager forward also returns are no part of the model's function
+        (the decoder layer drops them), and sdpa and the kernels return None there."""
         attention, mask = path
         return lambda mask_kwargs, module, q, k, v, **kwargs: attention(module, q, k, v, mask(**mask_kwargs),
-                                                                        **kwargs)
+                                                                        **kwargs)[0]
 
     def recorder(self, original, calls, copy):
         attention, mask = original
@@ -143,6 +149,11 @@ class AttentionInterface(PatchKind):
             return attention(module, q, k, v, attention_mask, **kwargs)
 
         return record_attention, record_mask
+
+
+def _eager_attention(module, *args, **kwargs):
+    """transformers' eager attention as the module's own modeling module defines it."""
+    return sys.modules[type(module).__module__].eager_attention_forward(module, *args, **kwargs)
 
 
 def _set_attention(model: torch.nn.Module, name: str) -> Change:

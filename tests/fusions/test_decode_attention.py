@@ -23,20 +23,78 @@ def make_inputs(seed, batch, num_q_heads, num_kv_heads, head_dim, max_len, lengt
     return q, k_cache, v_cache, torch.tensor(lengths, device=device)
 
 
-def reference(q, k_cache, v_cache, lengths, scale):
-    return decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), lengths, scale)
+def reference(q, k_cache, v_cache, lengths, scale, **variant):
+    return decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), lengths, scale, **variant)
 
 
-def check(seed, batch, num_q_heads, num_kv_heads, head_dim, max_len, lengths, dtype, device, num_splits=None):
+def check(seed, batch, num_q_heads, num_kv_heads, head_dim, max_len, lengths, dtype, device, num_splits=None,
+          **variant):
+    """The kernel against the reference; `variant` is softcap and sinks as decode_attention takes them, and a
+    sliding `window` (the starts it stands for, as transformers' sliding masks place them)."""
     q, k_cache, v_cache, lengths = make_inputs(seed, batch, num_q_heads, num_kv_heads, head_dim, max_len,
                                                lengths, dtype, device)
+    if "window" in variant:
+        variant["starts"] = window_starts(lengths, variant.pop("window"))
     scale = head_dim ** -0.5
-    out = decode_attention(q, k_cache, v_cache, lengths, scale, num_splits)
+    out = decode_attention(q, k_cache, v_cache, lengths, scale, num_splits, **variant)
     assert out.shape == (batch, 1, num_q_heads, head_dim) and out.dtype == dtype
     assert torch.isfinite(out).all(), "an output element was left unwritten"
     tol = TOLERANCES[dtype]
-    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, lengths, scale), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, lengths, scale, **variant),
+                               rtol=tol, atol=tol)
     return q, k_cache, v_cache, lengths, out
+
+
+def window_starts(lengths, window):
+    """First position a query at lengths - 1 sees: keys k with k > q - window."""
+    return (lengths - window).clamp_min(0)
+
+
+def random_sinks(seed, num_q_heads, device):
+    """Sink logits of the size scores have, so they take a real share of each softmax."""
+    return 2.0 * torch.randn(num_q_heads, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("window", [1, 5, 16, 200])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_sliding_window(window, num_splits):
+    """Only the last `window` filled positions count: windows shorter than one block, spanning splits, and longer
+    than every sequence (then the same as no window)."""
+    check(seed=200 + window, batch=4, num_q_heads=4, num_kv_heads=2, head_dim=16, max_len=90,
+          lengths=[90, 3, 47, 16], dtype=torch.float32, device=SMALL_DEVICE, num_splits=num_splits, window=window)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("softcap", [1.0, 50.0])
+def test_logit_softcap(softcap):
+    """A scale of 1 makes scores large enough that a cap of 1 bends every one of them."""
+    q, k_cache, v_cache, lengths = make_inputs(230, 3, 4, 2, 16, 40, [40, 9, 1], torch.float32, SMALL_DEVICE)
+    out = decode_attention(q, k_cache, v_cache, lengths, 1.0, num_splits=2, softcap=softcap)
+    want = reference(q, k_cache, v_cache, lengths, 1.0, softcap=softcap)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want, reference(q, k_cache, v_cache, lengths, 1.0), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_sinks_with_a_window(num_splits):
+    """GPT-OSS's combination: a window and per-head sinks; an idle slot still gives zeros."""
+    _, _, _, _, out = check(seed=240 + num_splits, batch=3, num_q_heads=8, num_kv_heads=2, head_dim=16,
+                            max_len=64, lengths=[64, 0, 21], dtype=torch.float32, device=SMALL_DEVICE,
+                            num_splits=num_splits, window=12, sinks=random_sinks(num_splits, 8, SMALL_DEVICE))
+    assert (out[1] == 0).all()
+
+
+def test_each_variant_changes_the_result():
+    """Dropping the window, the cap or the sinks gives another result, so the tests above can fail."""
+    q, k_cache, v_cache, lengths = make_inputs(250, 2, 4, 2, 16, 30, [30, 20], torch.float32, SMALL_DEVICE)
+    variant = dict(starts=window_starts(lengths, 8), softcap=2.0, sinks=random_sinks(250, 4, SMALL_DEVICE))
+    out = decode_attention(q, k_cache, v_cache, lengths, 1.0, **variant).double()
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, lengths, 1.0, **variant), rtol=1e-5, atol=1e-5)
+    for left_out in variant:
+        fewer = {name: value for name, value in variant.items() if name != left_out}
+        assert not torch.allclose(out, reference(q, k_cache, v_cache, lengths, 1.0, **fewer), rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.usefixtures("poisoned_empty")
@@ -94,6 +152,20 @@ def test_positions_beyond_length_are_ignored():
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, lengths, 0.2), rtol=1e-5, atol=1e-5)
 
 
+def test_positions_before_the_window_are_ignored():
+    """Nor positions that slid out of the window: poisoned, they would turn the output to NaN."""
+    q, k_cache, v_cache, lengths = make_inputs(32, 3, 4, 2, 16, 70, [70, 9, 40], torch.float32, SMALL_DEVICE)
+    window = 7
+    poisoned = [cache.clone() for cache in (k_cache, v_cache)]
+    for cache in poisoned:
+        for b, length in enumerate(lengths.tolist()):
+            cache[b, :, :length - window] = float("nan")
+    starts = window_starts(lengths, window)
+    out = decode_attention(q, *poisoned, lengths, 0.2, num_splits=4, starts=starts)
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, lengths, 0.2, starts=starts),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_wrong_length_or_scale_fails_the_comparison():
     """The comparison can fail: one position fewer, or another scale, gives a different result."""
     q, k_cache, v_cache, lengths, out = check(seed=41, batch=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
@@ -121,6 +193,23 @@ def test_preset_shapes_cuda(heads, batch, dtype):
     lengths[-1] = 1 if batch > 1 else max_len
     check(seed=batch * head_dim + num_q_heads, batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
           head_dim=head_dim, max_len=max_len, lengths=lengths.tolist(), dtype=dtype, device="cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("variant", ["gemma-3-1b sliding", "gpt-oss sinks", "gemma-2 softcap"])
+def test_zoo_variants_cuda(batch, variant):
+    """The zoo's heads with the variants they use, bf16, at W1's cache length: Gemma-3-1B's 4 q / 1 kv heads of
+    256 in a 512-window, GPT-OSS's 64 / 8 of 64 with a 128-window and sinks, Gemma-2's softcap 50."""
+    heads, extra = {
+        "gemma-3-1b sliding": ((4, 1, 256), dict(window=512)),
+        "gpt-oss sinks": ((64, 8, 64), dict(window=128, sinks=random_sinks(batch, 64, "cuda"))),
+        "gemma-2 softcap": ((8, 4, 256), dict(softcap=50.0)),
+    }[variant]
+    lengths = torch.randint(1, 1025, (batch,), generator=torch.Generator().manual_seed(batch))
+    lengths[0] = 1024
+    check(seed=300 + batch, batch=batch, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
+          max_len=1024, lengths=lengths.tolist(), dtype=torch.bfloat16, device="cuda", **extra)
 
 
 @needs_cuda

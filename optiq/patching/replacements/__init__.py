@@ -8,9 +8,10 @@ The contract, one per ``[patch] kind`` of a recipe:
 - ``function``: ``factory(original, fusion) -> replacement`` with the original's signature; it replaces the function in
   the architecture's modeling module (or in the module its import path names, such as the decode engine's sampler)
   and may call ``original`` for cases the fusion does not cover.
-- ``attention_interface``: ``factory(fusion) -> (attention_function, mask_function)``, registered under the recipe's
-  interface name with transformers' AttentionInterface and AttentionMaskInterface. The mask function's result is what
-  the attention function receives as ``attention_mask``.
+- ``attention_interface``: ``factory(fusion, replaced) -> (attention_function, mask_function)``, registered under the
+  recipe's interface name with transformers' AttentionInterface and AttentionMaskInterface; ``replaced`` is the
+  (attention, mask) pair of the implementation the model ran, for the calls the fusion does not cover. The mask
+  function's result is what the attention function receives as ``attention_mask``.
 
 A factory raises ValueError when the module it is given is outside what the fusion can compute; the recipe is then
 reported as not applicable with that message.

@@ -114,41 +114,74 @@ def _filled_lengths(kwargs: dict) -> tuple[int, torch.Tensor]:
     return q_length, torch.as_tensor(kwargs.get("q_offset", 0), device=kwargs.get("device")) + q_length
 
 
-# What transformers' attention functions may be asked for that the decode kernel does not compute: logit softcapping
-# (Gemma 2), attention sinks (GPT-OSS's s_aux), a sliding window; such calls take transformers' own path.
-UNSUPPORTED = ("softcap", "s_aux", "sliding_window")
+def _decode_spans(kwargs: dict) -> torch.Tensor | None:
+    """[2, batch] int64: the first and one-past-last cache position each sequence's one new token attends, from a
+    mask call's arguments; None for a call whose mask is more than a span (a prompt, padding, a custom overlay such
+    as Gemma 3's image tokens, keys that do not start at position 0).
+
+    A sliding-window mask (``local_size``) lets key k in where k > q - window, so its span starts at
+    filled - window."""
+    q_length, filled = _filled_lengths(kwargs)
+    kv_offset = kwargs.get("kv_offset", 0)
+    if (q_length != 1 or kwargs.get("attention_mask") is not None or kwargs.get("use_vmap")
+            or not isinstance(kv_offset, int) or kv_offset != 0):
+        return None
+    filled = filled.reshape(1).to(torch.int64)
+    window = kwargs.get("local_size")
+    starts = (filled - window).clamp_min(0) if window is not None else torch.zeros_like(filled)
+    return torch.stack([starts, filled]).repeat(1, kwargs["batch_size"])
+
+
+# What transformers' attention functions may be asked for that the decode kernel does not compute (Inkling's sinks
+# tensor, T5-style position bias, block-sparse indices); such calls take the implementation the interface replaced.
+UNSUPPORTED = ("sinks", "position_bias", "block_indices")
 
 
 def _kernel_computes(query, key, value, kwargs: dict) -> bool:
     """Whether the decode kernel computes this call: one query token per sequence, keys and values of one shape
-    (not MLA's narrower values), nothing asked of it that it does not do (UNSUPPORTED)."""
+    (not MLA's narrower values), nothing asked of it that it does not do (UNSUPPORTED); GPT-OSS's ``s_aux`` sinks are
+    one logit per query head."""
+    sinks = kwargs.get("s_aux")
     return (query.ndim == key.ndim == value.ndim == 4 and query.shape[2] == 1 and key.shape == value.shape
-            and query.shape[1] % key.shape[1] == 0 and not any(kwargs.get(n) is not None for n in UNSUPPORTED))
+            and query.shape[1] % key.shape[1] == 0 and not any(kwargs.get(n) is not None for n in UNSUPPORTED)
+            and (sinks is None or tuple(sinks.shape) == (query.shape[1],)))
 
 
-def decode_attention_interface(fusion):
-    """(attention, mask) for one name: decode steps (one query token, no padding mask, no window) run ``fusion``
-    over each sequence's filled cache prefix; everything else (prefill) runs transformers' own sdpa path and mask.
+def _span_mask(spans: torch.Tensor, key_length: int, additive: torch.dtype | None) -> torch.Tensor:
+    """The [batch, 1, 1, key_length] mask the spans stand for: boolean (True = attend) as sdpa takes it, or additive
+    (0 or the dtype's minimum) as eager attention forwards take it."""
+    positions = torch.arange(key_length, device=spans.device)
+    attend = ((positions >= spans[0, :, None]) & (positions < spans[1, :, None]))[:, None, None]
+    if additive is None:
+        return attend
+    return torch.zeros(attend.shape, dtype=additive, device=spans.device).masked_fill(~attend, torch.finfo(additive).min)
 
-    For a decode step the mask function returns the filled lengths, int64 [batch], instead of a boolean mask: the
-    attention function sees a 1-D integer tensor and knows it may use the kernel, or, for a call the kernel does not
-    compute, turns it into the boolean mask sdpa takes."""
-    sdpa_attention = AttentionInterface._global_mapping["sdpa"]
-    sdpa_mask = AttentionMaskInterface._global_mapping["sdpa"]
+
+def decode_attention_interface(fusion, replaced):
+    """(attention, mask) for one name: decode steps (one query token, attending one span of the cache) run
+    ``fusion`` over each sequence's span; everything else runs ``replaced``, the (attention, mask) pair of the
+    implementation the model ran (sdpa, or the modeling module's eager forward with its additive mask).
+
+    For a decode step the mask function returns the spans, int64 [2, batch], instead of a mask: the attention
+    function sees a 2-D integer tensor and knows it may use the kernel, or, for a call the kernel does not compute,
+    turns it into the mask ``replaced`` takes. The module's ``sliding_window`` argument is not read: like sdpa, the
+    kernel attends what the mask lets in."""
+    replaced_attention, replaced_mask = replaced
+    eager = replaced_mask is AttentionMaskInterface._global_mapping["eager"]
 
     def mask(**kwargs):
-        q_length, filled = _filled_lengths(kwargs)
-        if q_length != 1 or kwargs.get("attention_mask") is not None or kwargs.get("local_size") is not None:
-            return sdpa_mask(**kwargs)
-        return filled.reshape(1).to(torch.int64).repeat(kwargs["batch_size"])
+        spans = _decode_spans(kwargs)
+        return replaced_mask(**kwargs) if spans is None else spans
 
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        lengths = isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 1
-        if lengths and _kernel_computes(query, key, value, kwargs):
+        spans = (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2
+                 and attention_mask.dtype == torch.int64 and attention_mask.shape[0] == 2)
+        if spans and _kernel_computes(query, key, value, kwargs):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return fusion(query, key, value, attention_mask, scale), None
-        if lengths:  # a decode step the kernel does not compute: the boolean mask the lengths stand for
-            attention_mask = (torch.arange(key.shape[2], device=key.device) < attention_mask[:, None])[:, None, None]
-        return sdpa_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+            return fusion(query, key, value, attention_mask[1], scale, starts=attention_mask[0],
+                          softcap=kwargs.get("softcap") or 0.0, sinks=kwargs.get("s_aux")), None
+        if spans:
+            attention_mask = _span_mask(attention_mask, key.shape[2], query.dtype if eager else None)
+        return replaced_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     return attention, mask
