@@ -4,7 +4,8 @@ Eager HF runs `q * cos + rotate_half(q) * sin` (and the same for k) as about ten
 re-reading its input; at decode these are pure launch overhead. This fusion does it in one launch, with two options
 folded into the same kernel:
 
-- Qwen3's per-head RMSNorm (`q_norm`, `k_norm` over head_dim) applied before the rotation;
+- Qwen3's per-head RMSNorm (`q_norm`, `k_norm` over head_dim) applied before the rotation, or Gemma 3's, whose
+  weight is an offset from one (`offset`: the fp32 statistics times 1 + w, rounded once, as Gemma's norm rounds);
 - writing the rotated k and the v straight into a static KV cache at per-sequence positions (what HF's
   `StaticCache.update` does with two `index_copy_` calls).
 
@@ -29,7 +30,7 @@ def _round(x, dtype: tl.constexpr):
 
 @triton.jit
 def _rotate_head(x_ptr, stride_d, w_ptr, cos1, cos2, sin1, sin2, eps, offs, mask,
-                 HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, OFFSET: tl.constexpr):
     """Norm (optionally) and rotate one head vector in place; return its rotated halves (fp32, model-dtype values)."""
     half: tl.constexpr = HEAD_DIM // 2
     dtype: tl.constexpr = x_ptr.dtype.element_ty
@@ -39,8 +40,12 @@ def _rotate_head(x_ptr, stride_d, w_ptr, cos1, cos2, sin1, sin2, eps, offs, mask
         rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
         w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
-        x1 = _round(w1 * _round(x1 * rstd, dtype), dtype)
-        x2 = _round(w2 * _round(x2 * rstd, dtype), dtype)
+        if OFFSET:
+            x1 = _round((1.0 + w1) * (x1 * rstd), dtype)
+            x2 = _round((1.0 + w2) * (x2 * rstd), dtype)
+        else:
+            x1 = _round(w1 * _round(x1 * rstd, dtype), dtype)
+            x2 = _round(w2 * _round(x2 * rstd, dtype), dtype)
     out1 = _round(x1 * cos1, dtype) - _round(x2 * sin1, dtype)
     out2 = _round(x2 * cos2, dtype) + _round(x1 * sin2, dtype)
     tl.store(x_ptr + offs * stride_d, out1.to(dtype), mask=mask)
@@ -59,7 +64,8 @@ def _rope_kernel(
     stride_sb, stride_ss, stride_sd,
     stride_kcb, stride_kch, stride_kcl, stride_kcd,
     stride_vcb, stride_vch, stride_vcl, stride_vcd,
-    HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, QK_NORM: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, QK_NORM: tl.constexpr, OFFSET: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One program per (token, head): heads [0, num_q_heads) are q's, the rest k's."""
@@ -81,12 +87,13 @@ def _rope_kernel(
 
     if head < num_q_heads:
         q_head = q_ptr + b * stride_qb + head * stride_qh + s * stride_qs
-        _rotate_head(q_head, stride_qd, q_norm_ptr, cos1, cos2, sin1, sin2, eps, offs, mask, HEAD_DIM, QK_NORM)
+        _rotate_head(q_head, stride_qd, q_norm_ptr, cos1, cos2, sin1, sin2, eps, offs, mask, HEAD_DIM, QK_NORM,
+                     OFFSET)
     else:
         kv_head = head - num_q_heads
         k_head = k_ptr + b * stride_kb + kv_head * stride_kh + s * stride_ks
         k1, k2 = _rotate_head(k_head, stride_kd, k_norm_ptr, cos1, cos2, sin1, sin2, eps, offs, mask,
-                              HEAD_DIM, QK_NORM)
+                              HEAD_DIM, QK_NORM, OFFSET)
         if WRITE_CACHE:
             pos = tl.load(positions_ptr + b * stride_pb) + s
             # Memory safety only: a position past the cache is dropped (checking it would need a host sync).
@@ -102,7 +109,7 @@ def _rope_kernel(
             tl.store(vc + (offs + half) * stride_vcd, v2.to(v_cache_ptr.dtype.element_ty), mask=cache_mask)
 
 
-def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions) -> None:
+def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions, offset) -> None:
     batch, num_q_heads, seq_len, head_dim = q.shape
     num_kv_heads = k.shape[1]
     qk_norm = q_norm_weight is not None
@@ -119,7 +126,7 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
         seq_len, num_q_heads, k_cache.shape[2], eps, positions.stride(0) if write_cache else 0,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=head_dim, HALF_BLOCK=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm,
-        WRITE_CACHE=write_cache, num_warps=1, **launch_options(q),
+        OFFSET=offset, WRITE_CACHE=write_cache, num_warps=1, **launch_options(q),
     )
 
 
@@ -128,16 +135,16 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
 @torch.library.triton_op("optiq::rope", mutates_args={"q", "k"})
 def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-             eps: float = 1e-6) -> None:
-    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, None, None, None, None)
+             eps: float = 1e-6, offset: bool = False) -> None:
+    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, None, None, None, None, offset)
 
 
 @torch.library.triton_op("optiq::rope_cached", mutates_args={"q", "k", "k_cache", "v_cache"})
 def _rope_cached_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                    eps: float = 1e-6) -> None:
-    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions)
+                    eps: float = 1e-6, offset: bool = False) -> None:
+    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions, offset)
 
 
 def rope(
@@ -152,11 +159,12 @@ def rope(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [B, Hq, S, D] and k [B, Hkv, S, D] in place (any strides) and return them.
 
     cos, sin: [B or 1, S, D] as HF's rotary module makes them. With q_norm_weight and k_norm_weight ([D]), Qwen3's
-    per-head RMSNorm with `eps` runs first. With k_cache, v_cache [B, Hkv, L, D], positions [B] (int64, the cache
+    per-head RMSNorm with `eps` runs first (Gemma 3's, scaling by 1 + w, with `offset`). With k_cache, v_cache [B, Hkv, L, D], positions [B] (int64, the cache
     slot of each sequence's first token; any stride, so a static cache's one fill counter expanded to [B] serves)
     and v [B, Hkv, S, D], token s of sequence b also lands in the cache at slot positions[b] + s.
     """
@@ -165,16 +173,20 @@ def rope(
     if len({x is None for x in (v, k_cache, v_cache, positions)}) != 1:
         raise ValueError("give all of v, k_cache, v_cache and positions, or none")
     if k_cache is None:
-        torch.ops.optiq.rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
+        torch.ops.optiq.rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset)
     else:
-        torch.ops.optiq.rope_cached(q, k, cos, sin, v, k_cache, v_cache, positions, q_norm_weight, k_norm_weight, eps)
+        torch.ops.optiq.rope_cached(q, k, cos, sin, v, k_cache, v_cache, positions, q_norm_weight, k_norm_weight, eps,
+                                    offset)
     return q, k
 
 
-def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's Qwen3RMSNorm: fp32 (or the input's float64) statistics, cast back, then the weight in the model dtype."""
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    """HF's Qwen3RMSNorm: fp32 (or the input's float64) statistics, cast back, then the weight in the model dtype;
+    or Gemma3RMSNorm (offset): the statistics times 1 + w in fp32, cast once."""
     x_wide = x if x.dtype == torch.float64 else x.to(torch.float32)
     normed = x_wide * torch.rsqrt(x_wide.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (normed * (1.0 + weight.to(x_wide.dtype))).to(x.dtype)
     return weight * normed.to(x.dtype)
 
 
@@ -183,10 +195,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps):
+def _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset=False):
     """HF's attention forward from the projections to the rotated q, k (apply_rotary_pos_emb, unsqueeze_dim=1)."""
     if q_norm_weight is not None:
-        q, k = _rms_norm_reference(q, q_norm_weight, eps), _rms_norm_reference(k, k_norm_weight, eps)
+        q, k = (_rms_norm_reference(x, w, eps, offset) for x, w in ((q, q_norm_weight), (k, k_norm_weight)))
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
 
@@ -203,9 +215,10 @@ def rope_reference(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    offset: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Out of place: (q, k) or, with a cache, (q, k, k_cache, v_cache) as new tensors."""
-    q_out, k_out = _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
+    q_out, k_out = _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset)
     if k_cache is None:
         return q_out, k_out
     k_cache, v_cache = k_cache.clone(), v_cache.clone()

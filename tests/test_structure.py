@@ -153,3 +153,27 @@ def test_decode_attention_computes_the_zoo_variants_and_forgetting_one_is_caught
     assert result.real == "passed", result.real
     status = {mutant.name: mutant.status for mutant in result.mutants}
     assert all(status[name] == "killed" for name in variants), {n: status[n] for n in variants}
+
+
+@pytest.mark.parametrize("spec, names, multiplier", [
+    ("tiny:gemma3_text", ["attention_prologue"], None),  # per-head q/k norms of 1 + w, sliding layers
+    ("tiny:phi3", ["attention_prologue", "add_rmsnorm"], None),  # one fused qkv_proj
+    ("tiny:granite", ["add_rmsnorm", "attention_prologue"], 0.22),  # Granite's residual and attention multipliers
+])
+def test_llama_family_sites_are_found_by_structure_and_kept(spec, names, multiplier):
+    """The attention and decoder-layer recipes, once written for five classes, on models the catalog never named;
+    Granite's multipliers set off one (its published 0.22), so forgetting them would change the function."""
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+    if multiplier is not None:
+        for layer in model.model.layers:
+            layer.residual_multiplier = multiplier
+            layer.self_attn.scaling = multiplier
+    catalog = load_catalog()
+    patches = apply(model, [catalog[n] for n in names])
+    try:
+        assert sorted(patches.applied) == sorted(names), patches.not_applicable
+        report = validate(patches, GatePlan((2,), steps=3, prompt_len=40))
+    finally:
+        unpatch(model)
+    assert not report.rolled_back and report.passed, report.recipes
+    assert all(report.recipes[n].calls > 0 for n in names)

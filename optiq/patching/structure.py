@@ -10,6 +10,7 @@ but computes something else (another normalisation, an extra scale) does not mat
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, replace
 
 import torch
@@ -141,4 +142,69 @@ def gated_mlp(module: torch.nn.Module) -> GatedMlpSite | None:
     return None
 
 
-STRUCTURES = {"rms_norm": rms_norm, "gated_mlp": gated_mlp}
+@dataclass(frozen=True)
+class AttentionSite:
+    """A llama-family attention: its Q, K and V projections apart (``fused_sizes`` empty) or one ``qkv_proj`` of
+    those three widths (Phi-3), and per-head q/k RMSNorms (``qk_norm``; Gemma's scale by 1 + w: ``norm_offset``) or
+    none."""
+    qk_norm: bool
+    norm_offset: bool
+    fused_sizes: tuple[int, ...] = ()
+
+
+def _fused_qkv_sizes(module: torch.nn.Module) -> tuple[int, ...] | None:
+    """(Q, K, V) widths of a fused ``qkv_proj`` from the config's head counts; None where they do not add up."""
+    config, head_dim = getattr(module, "config", None), getattr(module, "head_dim", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not (type(head_dim) is int and type(heads) is int and type(kv_heads) is int):
+        return None
+    sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    return sizes if sum(sizes) == module.qkv_proj.out_features else None
+
+
+def qkv_attention(module: torch.nn.Module) -> AttentionSite | None:
+    """The attention that attention_prologue and qkv_proj rewrite: nn.Linear ``q_proj``, ``k_proj``, ``v_proj``
+    reading one input (or one ``qkv_proj`` whose width the config's heads account for) and ``o_proj``, an int
+    ``head_dim``, a ``layer_idx`` (its cache layer), a forward taking ``position_embeddings`` (HF's cos and sin), and
+    either no ``q_norm``/``k_norm`` or two RMSNorms over one head. What the forward does beyond that is not looked
+    at: the gate decides (a NoPE layer's missing rotation, a multiplier, fail it)."""
+    fused = isinstance(getattr(module, "qkv_proj", None), torch.nn.Linear)
+    names = ("qkv_proj", "o_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj")
+    projections = [getattr(module, name, None) for name in names]
+    if not all(isinstance(p, torch.nn.Linear) for p in projections) or len({p.in_features for p in projections[:-1]}) != 1:
+        return None
+    if type(getattr(module, "head_dim", None)) is not int or type(getattr(module, "layer_idx", None)) is not int:
+        return None
+    if "position_embeddings" not in inspect.signature(type(module).forward).parameters:
+        return None
+    fused_sizes = _fused_qkv_sizes(module) if fused else ()
+    if fused_sizes is None:
+        return None
+    q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    if q_norm is None and k_norm is None:
+        return AttentionSite(qk_norm=False, norm_offset=False, fused_sizes=fused_sizes)
+    sites = [rms_norm(n) if isinstance(n, torch.nn.Module) else None for n in (q_norm, k_norm)]
+    if None in sites or sites[0].offset != sites[1].offset or sites[0].eps_attribute != sites[1].eps_attribute or any(
+            n.weight.shape != (module.head_dim,) for n in (q_norm, k_norm)):
+        return None
+    return AttentionSite(qk_norm=True, norm_offset=sites[0].offset, fused_sizes=fused_sizes)
+
+
+def pre_norm_decoder_layer(module: torch.nn.Module) -> NormSite | None:
+    """A pre-norm decoder layer (``input_layernorm`` before ``self_attn``, ``post_attention_layernorm`` before
+    ``mlp``) with no other norm, so the residual add before the MLP's norm is the layer's own: Gemma's sandwich
+    norms (pre/post feed-forward norms) and OLMo 2's post-norms are other placements. Returns the MLP norm's site."""
+    names = dict(module.named_children())
+    if not {"input_layernorm", "post_attention_layernorm", "self_attn", "mlp"} <= set(names):
+        return None
+    if any(rms_norm(child) for name, child in names.items()
+           if name not in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")):
+        return None
+    if rms_norm(names["input_layernorm"]) is None:
+        return None
+    return rms_norm(names["post_attention_layernorm"])
+
+
+STRUCTURES = {"rms_norm": rms_norm, "gated_mlp": gated_mlp, "qkv_attention": qkv_attention,
+              "pre_norm_decoder_layer": pre_norm_decoder_layer}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from optiq.fusions.rope import benchmark_case, rope, rope_reference
-from kernel_testing import CUDA, OPCHECKS, assert_graph_replay_and_compile, needs_cuda
+from kernel_testing import CUDA, OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda
 
 # The interpreter rounds to bf16 by truncation, and rope rounds to the model dtype several times, as HF does.
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -203,3 +203,25 @@ def test_cuda_graph_replay_cuda():
         lambda: rope(case.q, case.k, case.cos, case.sin, *case.norms, EPS, **case.cache), refill,
         expect=case.reference,
         same=lambda _, expected: assert_matches(results, expected, torch.bfloat16), compile=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_offset_qk_norm_against_hf(dtype):
+    """Gemma 3's q/k norms scale by 1 + w (offset weights near zero): the kernel against Gemma3RMSNorm itself
+    followed by HF's rotation, and the plain-weight reading of the same weights is far from it."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm, apply_rotary_pos_emb
+
+    case = Case(71, 2, 4, 2, 1, 16, dtype, SMALL_DEVICE)
+    weights = [0.3 * case.randn(16) for _ in range(2)]
+    norms = []
+    for weight in weights:
+        norm = Gemma3RMSNorm(16, eps=EPS).to(case.device)
+        norm.weight.data.copy_(weight.float())
+        norms.append(norm.to(dtype))
+    want_q, want_k = apply_rotary_pos_emb(norms[0](case.q.clone()), norms[1](case.k.clone()), case.cos, case.sin)
+    got_q, got_k = rope(case.q.clone(), case.k.clone(), case.cos, case.sin, *weights, EPS, offset=True)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(got_q.float(), want_q.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_k.float(), want_k.float(), rtol=tol, atol=tol)
+    plain_q, _ = rope(case.q.clone(), case.k.clone(), case.cos, case.sin, *weights, EPS)
+    assert not torch.allclose(plain_q.float(), want_q.float(), rtol=0.1, atol=0.1)

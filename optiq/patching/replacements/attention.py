@@ -9,11 +9,18 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
+from optiq.patching.structure import rms_norm, qkv_attention
+
 
 def _fused_qkv_weights(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-    """(weight, bias, split sizes) of the Q, K and V projections as one, concatenated here, once."""
-    if attn.q_proj.in_features != attn.k_proj.in_features or attn.k_proj.in_features != attn.v_proj.in_features:
-        raise ValueError(f"{type(attn).__name__}'s projections read different inputs")
+    """(weight, bias, split sizes) of the Q, K and V projections as one: a fused qkv_proj's own, or the three
+    concatenated here, once."""
+    site = qkv_attention(attn)
+    if site is None:
+        raise ValueError(f"{type(attn).__name__} is not a llama-family attention (structure qkv_attention)")
+    if site.fused_sizes:
+        bias = attn.qkv_proj.bias
+        return attn.qkv_proj.weight.detach(), None if bias is None else bias.detach(), list(site.fused_sizes)
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
     biased = [p.bias is not None for p in projections]
     if any(biased) and not all(biased):
@@ -23,13 +30,20 @@ def _fused_qkv_weights(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tenso
     return weight, bias, [p.out_features for p in projections]
 
 
+MODULE_ATTENTION_ARGUMENTS = (("sliding_window", "sliding_window"), ("softcap", "attn_logit_softcapping"),
+                              ("s_aux", "sinks"))
+
+
 def _attend(attn: torch.nn.Module, q, k, v, attention_mask, input_shape, kwargs: dict):
     """HF's attention function for the module's implementation (looked up at call time, so an attention interface
     patched underneath applies), then o_proj."""
     implementation = attn.config._attn_implementation
     attention = (sys.modules[type(attn).__module__].eager_attention_forward if implementation == "eager"
                  else AttentionInterface._global_mapping[implementation])
-    extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
+    # what llama-family forwards hand their attention function from the module's attributes (Gemma 2's cap, GPT-OSS's
+    # sinks, a sliding window for flash attention's sake)
+    extra = {kwarg: getattr(attn, attribute) for kwarg, attribute in MODULE_ATTENTION_ARGUMENTS
+             if hasattr(attn, attribute)}
     out, weights = attention(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **extra, **kwargs)
     return attn.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
@@ -78,20 +92,20 @@ def attention_prologue_forward(attn: torch.nn.Module, fusion):
     layer has read its own (one add per layer was a kernel and a launch gap each, 28-32 per decode step). Other
     caches, and a cache not yet allocated, take the module's own forward."""
     weight, bias, sizes = _fused_qkv_weights(attn)
+    site = qkv_attention(attn)
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    if q_norm is not None and not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in (q_norm, k_norm)):
-        raise ValueError(f"{type(attn).__name__}'s q/k norms are not RMSNorms with a weight")
-    norms = (q_norm.weight, k_norm.weight, q_norm.variance_epsilon) if q_norm is not None else ()
+    eps = rms_norm(q_norm).eps_attribute if site.qk_norm else ""
     own_forward = type(attn).forward.__get__(attn)
 
     def forward(hidden_states: torch.Tensor, position_embeddings, attention_mask=None, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         layers = _static_layers(cache) if cache is not None else []
         layer = cache.layers[attn.layer_idx] if cache is not None else None
-        if not any(mine is layer for mine in layers):
-            return own_forward(hidden_states, position_embeddings, attention_mask, **kwargs)
-        _pop_cache(kwargs)
         cos, sin = position_embeddings
+        if not any(mine is layer for mine in layers) or cos.shape[-1] != attn.head_dim:  # partial rotary: its own
+            return own_forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+        norms = (q_norm.weight, k_norm.weight, getattr(q_norm, eps), site.norm_offset) if site.qk_norm else ()
+        _pop_cache(kwargs)
         batch, length = hidden_states.shape[:2]
         q = fusion(hidden_states, weight, sizes, bias, attn.head_dim, cos, sin, layer.keys, layer.values,
                    layer.cumulative_length.expand(batch), *norms)
