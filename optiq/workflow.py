@@ -197,8 +197,8 @@ def fuse(model: torch.nn.Module, catalog: dict[str, Recipe], names: list[str], r
          hooks: Hooks = Hooks(), rechoose: Callable[[list[str]], list[str]] | None = None,
          ahead: compile_ahead.Workers | None = None) -> Patches:
     """Patch ``model`` with recipes ``names`` and gate them; ``record.fusion`` adds up every round's timings and
-    verdicts, saved after each. After a round that rolled something back, ``rechoose(rolled_back)`` may name a new
-    set to try (auto: a rival the rolled-back recipe had kept out). With ``ahead``, worker processes compile the
+    verdicts, saved after each. After a round that rolled something back, or a recipe that found no site,
+    ``rechoose(rejected)`` may name a new set to try (auto: a rival the rejected recipe had kept out). With ``ahead``, worker processes compile the
     recipes' kernels while the gate runs."""
     fusion, timings = record.fusion, record.fusion.timings
     while True:
@@ -207,6 +207,12 @@ def fuse(model: torch.nn.Module, catalog: dict[str, Recipe], names: list[str], r
             patches = apply(model, [catalog[n] for n in names])
             timings.patch_s += time.perf_counter() - started
             fusion.not_applicable.update(patches.not_applicable)
+            again = rechoose(fusion.rolled_back + list(fusion.not_applicable)) if rechoose and patches.not_applicable \
+                else names
+            if set(again) - set(names):  # a recipe found no site: the rivals it kept out get their turn
+                unpatch(model)
+                names = again
+                continue
             started = time.perf_counter()
             with hooks.status(f"validating {', '.join(patches.applied)}"):
                 verdict = validate(patches, plan)
@@ -224,7 +230,7 @@ def fuse(model: torch.nn.Module, catalog: dict[str, Recipe], names: list[str], r
         hooks.save(record)
         if not verdict.rolled_back or rechoose is None:
             return patches
-        again = rechoose(fusion.rolled_back)
+        again = rechoose(fusion.rolled_back + list(fusion.not_applicable))
         if not set(again) - set(names):
             return patches
         unpatch(model)

@@ -13,7 +13,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from optiq.errors import EXIT_GATE_REJECTED_ALL, EXIT_INTERRUPTED, OptiqError
+from optiq.errors import EXIT_GATE_REJECTED_ALL, EXIT_INTERRUPTED, OptiqError, first_line
 
 # Tables go to stdout, progress and notes to stderr, so ``--json`` output stays one clean document.
 # Piped output keeps whole table rows instead of rich's 80-column default.
@@ -203,8 +203,14 @@ def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_l
     def points() -> int:
         return len(record.before) + len(record.after)
 
+    import torch  # here, not at the top: --help and the trace commands start without it
+
     try:
-        run(job, record, run_dir.path, console_hooks(save))
+        try:
+            run(job, record, run_dir.path, console_hooks(save))
+        except torch.OutOfMemoryError as exc:  # what was measured before is kept, as for any failure
+            raise OptiqError(f"out of device memory ({first_line(exc)[:80]}...); try a smaller --concurrency or "
+                             "--max-len") from exc
     except OptiqError:
         record.status = "failed"
         with suppress(OptiqError):  # what was measured is on disk already, and the error may be a full disk

@@ -14,23 +14,23 @@ from optiq.patching import Patches
 from optiq.patching.changes import Site
 
 
-def _copy_cache(cache: Cache, dtype: torch.dtype | None, scale: float | None = None) -> Cache:
+def _copy_cache(cache: Cache, dtype: torch.dtype | None, scale: float | None = None,
+                layers: set[int] | None = None) -> Cache:
     """A copy of a KV cache that owns its small state (the fill counters, which each call advances) and shares the
-    keys and values, converted to ``dtype`` or scaled by ``scale`` if given. Sharing is safe because a decode call
-    writes its own token's position before it reads it, and a copy per call of every layer's keys and values would
-    not fit (each decoder layer's call would hold the whole cache)."""
+    keys and values, converted to ``dtype`` or scaled by ``scale`` if given: those of ``layers`` only, when the call
+    reads no other (every layer's in float64 is four times the cache: 100 GB for Phi-3-mini's at C = 64). Sharing is
+    safe because a decode call writes its own token's position before it reads it, and a copy per call of every
+    layer's keys and values would not fit (each decoder layer's call would hold the whole cache)."""
     copied = copy.copy(cache)
     copied.layers = []
-    for layer in cache.layers:
+    for index, layer in enumerate(cache.layers):
         mine = copy.copy(layer)
         for name, value in vars(layer).items():
             if isinstance(value, torch.Tensor):
                 if name not in ("keys", "values"):
                     value = value.clone()
-                elif scale is not None:
-                    value = value * scale
-                elif dtype is not None:
-                    value = value.to(dtype)
+                elif layers is None or index in layers:
+                    value = value * scale if scale is not None else value.to(dtype) if dtype is not None else value
                 setattr(mine, name, value)
         copied.layers.append(mine)
     return copied
@@ -46,18 +46,27 @@ def scaled_copy(value: Any, factor: float) -> Any:
     return value
 
 
-def fresh(value: Any, dtype: torch.dtype | None = None) -> Any:
+def fresh(value: Any, dtype: torch.dtype | None = None, layers: set[int] | None = None) -> Any:
     """A private copy of captured call arguments: tensors cloned (floating ones cast to ``dtype``), caches copied
-    (_copy_cache); modules, configs and functions shared."""
+    (_copy_cache, converting ``layers`` only when given); modules, configs and functions shared."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if dtype is not None and value.is_floating_point() else value.clone()
     if isinstance(value, Cache):
-        return _copy_cache(value, dtype)
+        return _copy_cache(value, dtype, layers=layers)
     if isinstance(value, (tuple, list)):
-        return type(value)(fresh(v, dtype) for v in value)
+        return type(value)(fresh(v, dtype, layers) for v in value)
     if isinstance(value, dict):
-        return {k: fresh(v, dtype) for k, v in value.items()}
+        return {k: fresh(v, dtype, layers) for k, v in value.items()}
     return value
+
+
+def layers_read(callee: Any, args: tuple, kwargs: dict) -> set[int] | None:
+    """The cache layers a call may read: every int ``*layer_idx``/``*layer_index`` attribute (its own, and a layer
+    it shares keys with) of the called module and the modules among its arguments, and of their submodules; None
+    when none says, which means every layer."""
+    modules = [m for m in (getattr(callee, "__self__", None), *args, *kwargs.values()) if isinstance(m, torch.nn.Module)]
+    return {value for module in modules for sub in module.modules() for name, value in vars(sub).items()
+            if name.endswith(("layer_idx", "layer_index")) and type(value) is int} or None
 
 
 def tensors(value: Any) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 from transformers import Cache
 
-from optiq.gate.capture import fresh, scaled_copy, tensors
+from optiq.gate.capture import fresh, layers_read, scaled_copy, tensors
 from optiq.gate.references.float64 import float64_path
 from optiq.gate.rules import GATE, error, site_bound
 from optiq.patching import Patches
@@ -73,7 +73,8 @@ def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], whe
                 reference = kind.call(exact)
 
                 def run(label: str, args: tuple, kwargs: dict) -> tuple[CallErrors, list[torch.Tensor]]:
-                    want = tensors(reference(*fresh(args, torch.float64), **fresh(kwargs, torch.float64)))
+                    layers = layers_read(site.original, args, kwargs)
+                    want = tensors(reference(*fresh(args, torch.float64, layers), **fresh(kwargs, torch.float64, layers)))
                     unfused = tensors(original(*fresh(args), **fresh(kwargs)))
                     try:
                         runs = [tensors(fused(*fresh(args), **fresh(kwargs))) for _ in range(2)]

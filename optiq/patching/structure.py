@@ -27,10 +27,11 @@ class NormSite:
 
 def _output_like(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """The module's output for ``x`` when it is one tensor of x's shape; None for anything else (a forward of
-    another signature or output is another structure)."""
+    another signature or output is another structure). Its class's forward runs, not one a recipe installed on the
+    instance: the structure is what the model computes, whichever recipes were applied before."""
     try:
         with torch.no_grad():
-            got = module(x)
+            got = type(module).forward(module, x)
     except Exception:  # noqa: BLE001
         return None
     return got if isinstance(got, torch.Tensor) and got.shape == x.shape else None

@@ -129,12 +129,11 @@ def _filled_lengths(kwargs: dict) -> tuple[int, torch.Tensor]:
 
 
 def _decode_spans(kwargs: dict) -> torch.Tensor | None:
-    """[2, batch] int64: the first and one-past-last cache position each sequence's one new token attends, from a
-    mask call's arguments; None for a call whose mask is more than a span (a prompt, padding, a custom overlay such
-    as Gemma 3's image tokens, keys that do not start at position 0).
-
-    A sliding-window mask (``local_size``) lets key k in where k > q - window, so its span starts at
-    filled - window."""
+    """The cache positions each sequence's one new token attends, from a mask call's arguments: int64 [batch], the
+    filled lengths, for a causal mask; [2, batch], the first and one-past-last position, for a sliding window's
+    (``local_size``: key k is in where k > q - window, so the span starts at filled - window). None for a call whose
+    mask is more than a span (a prompt, padding, a custom overlay such as Gemma 3's image tokens, keys that do not
+    start at position 0)."""
     q_length, filled = _filled_lengths(kwargs)
     kv_offset = kwargs.get("kv_offset", 0)
     if (q_length != 1 or kwargs.get("attention_mask") is not None or kwargs.get("use_vmap")
@@ -142,8 +141,9 @@ def _decode_spans(kwargs: dict) -> torch.Tensor | None:
         return None
     filled = filled.reshape(1).to(torch.int64)
     window = kwargs.get("local_size")
-    starts = (filled - window).clamp_min(0) if window is not None else torch.zeros_like(filled)
-    return torch.stack([starts, filled]).repeat(1, kwargs["batch_size"])
+    if window is None:
+        return filled.repeat(kwargs["batch_size"])
+    return torch.stack([(filled - window).clamp_min(0), filled]).repeat(1, kwargs["batch_size"])
 
 
 # What transformers' attention functions may be asked for that the decode kernel does not compute (Inkling's sinks
@@ -161,14 +161,28 @@ def _kernel_computes(query, key, value, kwargs: dict) -> bool:
             and (sinks is None or tuple(sinks.shape) == (query.shape[1],)))
 
 
-def _span_mask(spans: torch.Tensor, key_length: int, additive: torch.dtype | None) -> torch.Tensor:
+def _spans(attention_mask) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(lengths, starts or None) when the attention mask is what _decode_spans returns; None for a real mask."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.int64:
+        return None
+    if attention_mask.ndim == 1:
+        return attention_mask, None
+    return (attention_mask[1], attention_mask[0]) if attention_mask.ndim == 2 and attention_mask.shape[0] == 2 else None
+
+
+def _span_mask(lengths: torch.Tensor, starts: torch.Tensor | None, key_length: int,
+               additive: torch.dtype | None) -> torch.Tensor:
     """The [batch, 1, 1, key_length] mask the spans stand for: boolean (True = attend) as sdpa takes it, or additive
     (0 or the dtype's minimum) as eager attention forwards take it."""
-    positions = torch.arange(key_length, device=spans.device)
-    attend = ((positions >= spans[0, :, None]) & (positions < spans[1, :, None]))[:, None, None]
+    positions = torch.arange(key_length, device=lengths.device)
+    attend = positions < lengths[:, None]
+    if starts is not None:
+        attend &= positions >= starts[:, None]
+    attend = attend[:, None, None]
     if additive is None:
         return attend
-    return torch.zeros(attend.shape, dtype=additive, device=spans.device).masked_fill(~attend, torch.finfo(additive).min)
+    return torch.zeros(attend.shape, dtype=additive, device=lengths.device).masked_fill(~attend,
+                                                                                         torch.finfo(additive).min)
 
 
 def decode_attention_interface(fusion, replaced):
@@ -176,10 +190,11 @@ def decode_attention_interface(fusion, replaced):
     ``fusion`` over each sequence's span; everything else runs ``replaced``, the (attention, mask) pair of the
     implementation the model ran (sdpa, or the modeling module's eager forward with its additive mask).
 
-    For a decode step the mask function returns the spans, int64 [2, batch], instead of a mask: the attention
-    function sees a 2-D integer tensor and knows it may use the kernel, or, for a call the kernel does not compute,
-    turns it into the mask ``replaced`` takes. The module's ``sliding_window`` argument is not read: like sdpa, the
-    kernel attends what the mask lets in."""
+    For a decode step the mask function returns the spans (_decode_spans) instead of a mask: the attention function
+    sees an integer tensor and knows it may use the kernel, or, for a call the kernel does not compute, turns it
+    into the mask ``replaced`` takes. The module's ``sliding_window`` argument is not read: like sdpa, the kernel
+    attends what the mask lets in. The kernel gets ``starts``, ``softcap`` and ``sinks`` only where the call has
+    them, so a kernel of the plain signature (q, k, v, lengths, scale) serves every model without those variants."""
     replaced_attention, replaced_mask = replaced
     eager = replaced_mask is AttentionMaskInterface._global_mapping["eager"]
 
@@ -188,14 +203,15 @@ def decode_attention_interface(fusion, replaced):
         return replaced_mask(**kwargs) if spans is None else spans
 
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        spans = (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2
-                 and attention_mask.dtype == torch.int64 and attention_mask.shape[0] == 2)
-        if spans and _kernel_computes(query, key, value, kwargs):
+        spans = _spans(attention_mask)
+        if spans is not None and _kernel_computes(query, key, value, kwargs):
+            lengths, starts = spans
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return fusion(query, key, value, attention_mask[1], scale, starts=attention_mask[0],
-                          softcap=kwargs.get("softcap") or 0.0, sinks=kwargs.get("s_aux")), None
-        if spans:
-            attention_mask = _span_mask(attention_mask, key.shape[2], query.dtype if eager else None)
+            variants = {"starts": starts, "softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
+            return fusion(query, key, value, lengths, scale,
+                          **{name: given for name, given in variants.items() if given is not None}), None
+        if spans is not None:
+            attention_mask = _span_mask(*spans, key.shape[2], query.dtype if eager else None)
         return replaced_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     return attention, mask
