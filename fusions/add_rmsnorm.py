@@ -1,8 +1,9 @@
 """Residual add then RMSNorm in one pass: reads x and residual once, writes the new residual and the normed rows.
 
 Replaces HF's `hidden_states = residual + hidden_states` (rounded to the model dtype) followed by the next
-RMSNorm of that sum. The row kernel is rmsnorm's, with its HAS_RESIDUAL branch on, so both fusions share
-one set of rounding rules.
+RMSNorm of that sum. norm_add_rmsnorm also normalises x first, as sandwich-norm layers (Gemma 2 and 3, GLM-4) do
+with a branch's output before its residual add: three kernels and two round trips of the row become one. The row
+kernel is rmsnorm's, so all of them share one set of rounding rules.
 """
 
 import torch
@@ -42,6 +43,52 @@ def add_rmsnorm(
         new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     torch.ops.optiq.add_rmsnorm(x, residual, weight, eps, offset, normed, new_residual)
     return normed, new_residual
+
+
+@triton_op("optiq::norm_add_rmsnorm", mutates_args=("normed", "new_residual"))
+def _norm_add_rmsnorm_op(x: torch.Tensor, residual: torch.Tensor, branch_norm_weight: torch.Tensor,
+                         weight: torch.Tensor, eps: float, offset: bool, normed: torch.Tensor,
+                         new_residual: torch.Tensor) -> None:
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
+    launch_rmsnorm(x, residual, weight, eps, offset, normed, new_residual, branch_weight=branch_norm_weight)
+
+
+@triton_op("optiq::norm_add", mutates_args=("new_residual",))
+def _norm_add_op(x: torch.Tensor, residual: torch.Tensor, branch_norm_weight: torch.Tensor, eps: float,
+                 offset: bool, new_residual: torch.Tensor) -> None:
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
+    launch_rmsnorm(x, residual, None, eps, offset, None, new_residual, branch_weight=branch_norm_weight)
+
+
+def norm_add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    branch_norm_weight: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """With s = residual + rmsnorm(x, branch_norm_weight): (rmsnorm(s, weight), s), both in x's dtype; the first is
+    None when weight is None (the layer's last add, whose sum the next layer normalises). Both norms take eps and
+    offset."""
+    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if weight is None:
+        torch.ops.optiq.norm_add(x, residual, branch_norm_weight, eps, offset, new_residual)
+        return None, new_residual
+    normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.ops.optiq.norm_add_rmsnorm(x, residual, branch_norm_weight, weight, eps, offset, normed, new_residual)
+    return normed, new_residual
+
+
+def norm_add_rmsnorm_reference(
+    x: torch.Tensor, residual: torch.Tensor, branch_norm_weight: torch.Tensor, weight: torch.Tensor | None,
+    eps: float, offset: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The eager sequence: HF's norm of x, the add in the model dtype, HF's norm of the sum."""
+    new_residual = residual + rmsnorm_reference(x, branch_norm_weight, eps, offset)
+    return (None if weight is None else rmsnorm_reference(new_residual, weight, eps, offset)), new_residual
 
 
 def add_rmsnorm_reference(

@@ -294,9 +294,20 @@ def _repeat_kv(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
     return expanded.reshape(batch, num_kv_heads * n_rep, seq_len, head_dim)
 
 
+ATTENTION_SHAPES = {  # (query heads, kv heads, head_dim) of the presets' decode attention
+    "llama-3.1-8b": (32, 8, 128), "phi-3-mini": (32, 32, 96), "gemma-3-1b": (4, 1, 256),
+}
+
+
 def benchmark_case(rows: int, dtype: torch.dtype, device) -> dict:
-    """llama-3.1-8b decode attention (32 q / 8 kv heads, D=128) at context 1024 in a 1024-long static cache."""
-    num_q_heads, num_kv_heads, head_dim, max_len = 32, 8, 128, 1024
+    """The presets' decode attention at context 1024 in a 1024-long static cache."""
+    return {f"decode_attention {label}": _attention_case(rows, *shape, dtype, device)
+            for label, shape in ATTENTION_SHAPES.items()}
+
+
+def _attention_case(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    device) -> dict:
+    max_len = 1024
     generator = torch.Generator(device=device).manual_seed(rows)
     q = torch.randn(rows, num_q_heads, 1, head_dim, device=device, dtype=dtype, generator=generator)
     k_cache = torch.randn(rows, num_kv_heads, max_len, head_dim, device=device, dtype=dtype, generator=generator)

@@ -112,6 +112,8 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 PROJECTIONS = {  # (K, N) of the presets' decode GEMMs
     "qwen3-0.6b qkv": (1024, 4096), "qwen3-0.6b o_proj": (2048, 1024), "qwen3-0.6b down_proj": (3072, 1024),
     "llama-3.1-8b qkv": (4096, 6144), "llama-3.1-8b o_proj": (4096, 4096), "llama-3.1-8b down_proj": (14336, 4096),
+    "phi-3-mini qkv": (3072, 9216), "phi-3-mini o_proj": (3072, 3072), "phi-3-mini down_proj": (8192, 3072),
+    "gemma-3-1b qkv": (1152, 1536), "gemma-3-1b o_proj": (1024, 1152), "gemma-3-1b down_proj": (6912, 1152),
 }
 
 

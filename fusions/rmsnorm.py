@@ -5,7 +5,7 @@ Semantics follow Hugging Face exactly, including where it rounds:
   (LlamaRMSNorm: ``weight * x_normed.to(input_dtype)``).
 - Gemma (offset=True): normalise in fp32, multiply by (1 + weight) in fp32, round once
   (Gemma3RMSNorm: ``(x_normed * (1.0 + weight.float())).type_as(x)``).
-The output is in x's dtype. The kernel also serves add_rmsnorm (HAS_RESIDUAL), so the two cannot drift apart.
+The output is in x's dtype. The kernel also serves add_rmsnorm (HAS_RESIDUAL) and norm_add_rmsnorm (BRANCH_NORM), so they cannot drift apart.
 """
 
 import torch
@@ -19,11 +19,23 @@ LARGEST_HIDDEN = 65536  # a row must fit in one program's registers
 
 
 @triton.jit
+def _normalised(x, weight_ptr, cols, mask, hidden, eps, OFFSET: tl.constexpr, dtype: tl.constexpr):
+    """One row RMS-normalised in fp32 and scaled by its weight, rounded to ``dtype`` where HF rounds."""
+    x = x.to(tl.float32)
+    normed = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        return (normed * (1.0 + weight)).to(dtype)
+    return (normed.to(dtype).to(tl.float32) * weight).to(dtype)
+
+
+@triton.jit
 def _rmsnorm_kernel(
     x_ptr,
     x_row_stride,
     residual_ptr,
     residual_row_stride,
+    branch_weight_ptr,
     weight_ptr,
     out_ptr,
     out_row_stride,
@@ -31,30 +43,30 @@ def _rmsnorm_kernel(
     new_residual_row_stride,
     hidden,
     eps,
+    BRANCH_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    NORM_SUM: tl.constexpr,
     OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """x, normalised first by its branch's own norm when BRANCH_NORM (Gemma's post-attention norm), plus the residual
+    when HAS_RESIDUAL (stored as the new residual), normalised when NORM_SUM (into out)."""
     wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+    if BRANCH_NORM:
+        x = _normalised(x, branch_weight_ptr, cols, mask, hidden, eps, OFFSET, x_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0)
         # Round the sum to the model dtype, as the eager `residual + hidden_states` does, and normalise that.
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(new_residual_ptr.dtype.element_ty)
         tl.store(new_residual_ptr + row * new_residual_row_stride + cols, x, mask=mask)
-    x = x.to(tl.float32)
-    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    normed = x * inv_rms
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if OFFSET:
-        y = normed * (1.0 + weight)
-    else:
-        y = normed.to(x_ptr.dtype.element_ty).to(tl.float32) * weight
-    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if NORM_SUM:
+        y = _normalised(x, weight_ptr, cols, mask, hidden, eps, OFFSET, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * out_row_stride + cols, y, mask=mask)
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -63,15 +75,19 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def launch_rmsnorm(x, residual, weight, eps, offset, out, new_residual):
-    """Launch the row kernel; residual/new_residual are None for plain RMSNorm. Called from inside a triton_op."""
+def launch_rmsnorm(x, residual, weight, eps, offset, out, new_residual, branch_weight=None):
+    """Launch the row kernel; residual/new_residual are None for plain RMSNorm, branch_weight is the norm x takes
+    before the residual add (None: none), weight None (and out None) leaves the sum unnormalised. Called from inside
+    a triton_op."""
     hidden = x.shape[-1]
-    if weight.shape != (hidden,):
-        raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {hidden}")
+    for name, w in (("weight", weight), ("branch norm weight", branch_weight)):
+        if w is not None and w.shape != (hidden,):
+            raise ValueError(f"{name} shape {tuple(w.shape)} does not match hidden size {hidden}")
     if hidden > LARGEST_HIDDEN:
         raise ValueError(f"hidden size {hidden} exceeds {LARGEST_HIDDEN}, the largest row one program holds")
     x_rows = as_rows(x)
-    out_rows = out.view(-1, hidden)  # view, never a copy: the kernel must write into `out` itself
+    # views, never copies: the kernel must write into `out` and `new_residual` themselves
+    out_rows = out.view(-1, hidden) if out is not None else None
     residual_rows = as_rows(residual) if residual is not None else None
     new_residual_rows = new_residual.view(-1, hidden) if new_residual is not None else None
     block = triton.next_power_of_2(hidden)
@@ -82,14 +98,17 @@ def launch_rmsnorm(x, residual, weight, eps, offset, out, new_residual):
         x_rows.stride(0),
         residual_rows,
         residual_rows.stride(0) if residual is not None else 0,
+        branch_weight,
         weight,
         out_rows,
-        out_rows.stride(0),
+        out_rows.stride(0) if out is not None else 0,
         new_residual_rows,
         new_residual_rows.stride(0) if new_residual is not None else 0,
         hidden,
         eps,
+        BRANCH_NORM=branch_weight is not None,
         HAS_RESIDUAL=residual is not None,
+        NORM_SUM=weight is not None,
         OFFSET=offset,
         BLOCK=block,
         num_warps=num_warps, **launch_options(x),

@@ -13,7 +13,8 @@ from optiq.errors import OptiqError
 from optiq.catalog.recipes import load_catalog
 
 BUILTIN = {"decode_attention", "rmsnorm", "add_rmsnorm", "swiglu", "gate_up_swiglu", "qkv_proj", "rope", "greedy_sample",
-           "moe_experts", "mla_decode", "moe_router", "precision_flip", "attention_prologue", "decode_linear"}
+           "moe_experts", "mla_decode", "moe_router", "precision_flip", "attention_prologue", "decode_linear",
+           "sandwich_norm"}
 
 
 def test_builtin_catalog_and_fusion_paths_resolve():

@@ -18,13 +18,16 @@ kernels:
 - state carried across calls: each call's outputs added to an accumulator that is never zeroed.
 
 A mutant that changed nothing at any call of the gate (a bias that was None, a batch of one) is not counted: the
-model gives it nothing to change. The mutation score is killed / (killed + survived). A mutant may run inside a
+model gives it nothing to change. Nor is one whose changes cancel in the model (equivalent): it survived with the
+gate measuring, to the bit, the errors it measured on the real kernel (norm_add_rmsnorm runs twice a layer, so rows
+swapped by the first call are swapped back by the second: the layer computes the same function). The mutation score is killed / (killed + survived). A mutant may run inside a
 CUDA graph being captured (the end-to-end check in graph mode), so none of them synchronises with the host.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -56,7 +59,8 @@ class Mutant:
 class MutantResult:
     name: str
     bug: str
-    status: str  # killed, survived, or unchanged (the mutation altered nothing on this model)
+    status: str  # killed, survived, unchanged (the mutation altered nothing on this model) or equivalent (it altered
+    # values that cancel before the model's outputs)
     reason: str = ""  # the gate's, for a killed one
 
 
@@ -71,7 +75,7 @@ class RecipeMutation:
     def summary(self) -> MutationScore:
         """The counts the run record keeps (its ``score`` is the mutation score)."""
         return MutationScore(sum(m.status == "killed" for m in self.mutants),
-                             sum(m.status != "unchanged" for m in self.mutants),
+                             sum(m.status in ("killed", "survived") for m in self.mutants),
                              [m.name for m in self.mutants if m.status == "survived"], self.real)
 
 
@@ -288,15 +292,16 @@ def verify(model: torch.nn.Module, recipes: list, plan: GatePlan, with_mutants: 
             done(recipe.name, results[recipe.name])
             continue
         kernel = patches.applied[recipe.name].fusion
-        verdict = _gate(patches, recipe.name, plan, found_baselines)
+        verdict, real_errors = _gate(patches, recipe.name, plan, found_baselines)
         result = RecipeMutation(recipe.name, recipe.fusion, verdict or "passed")
         progress(f"{recipe.name}: real kernel {result.real}")
         for mutant in mutants(kernel) if with_mutants else []:
             touched: list = []
             patches = apply(model, [recipe], kernels={recipe.name: mutant.wrap(kernel, touched)})
-            reason = _gate(patches, recipe.name, plan, found_baselines)
+            reason, errors = _gate(patches, recipe.name, plan, found_baselines)
             changed = any(bool(t) for t in touched)  # the device's flags, read once the gate is done
-            status = "killed" if reason else "survived" if changed else "unchanged"
+            status = ("killed" if reason else "unchanged" if not changed
+                      else "equivalent" if errors == real_errors else "survived")
             result.mutants.append(MutantResult(mutant.name, mutant.bug, status, reason or ""))
             progress(f"{recipe.name}: {mutant.name}: {status}")
         result.seconds = time.perf_counter() - started
@@ -308,13 +313,16 @@ def verify(model: torch.nn.Module, recipes: list, plan: GatePlan, with_mutants: 
     return results
 
 
-def _gate(patches, name: str, plan: GatePlan, found_baselines) -> str:
-    """The gate's reason for rejecting recipe ``name`` ("" if it kept it); the model is unpatched after."""
+def _gate(patches, name: str, plan: GatePlan, found_baselines) -> tuple[str, tuple[float, ...]]:
+    """The gate's reason for rejecting recipe ``name`` ("" if it kept it), and the errors it measured (the recipe's,
+    then end to end's); the model is unpatched after."""
     try:
         report = validate(patches, plan, found_baselines)
     finally:
         patches.undo()
+    verdict = report.recipes.get(name)
+    errors = (verdict.err_fused if verdict else math.nan, *(e.rel_err for e in report.end_to_end))
     if name in report.rolled_back:
-        return report.recipes[name].reason
+        return report.recipes[name].reason, errors
     failed = next((e for e in report.end_to_end if not e.passed), None)
-    return f"end to end at concurrency {failed.concurrency}" if failed else ""
+    return (f"end to end at concurrency {failed.concurrency}" if failed else ""), errors

@@ -207,5 +207,38 @@ def pre_norm_decoder_layer(module: torch.nn.Module) -> NormSite | None:
     return rms_norm(names["post_attention_layernorm"])
 
 
+@dataclass(frozen=True)
+class SandwichSite:
+    """A sandwich-norm layer's norms by attribute name: the attention output's, the MLP input's and the MLP
+    output's (the layer's input norm is ``input_layernorm``); all of them RMSNorms of one eps and one offset."""
+    post_attention: str
+    pre_mlp: str
+    post_mlp: str
+    norm: NormSite
+
+
+# (attention output, MLP input, MLP output) norms of the sandwich layers in transformers
+SANDWICH_PLACEMENTS = (("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),  # Gemma
+                       ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"))  # GLM-4
+
+
+def sandwich_norm_decoder_layer(module: torch.nn.Module) -> SandwichSite | None:
+    """A decoder layer whose attention and MLP each sit between two RMSNorms (Gemma 2 and 3, GLM-4): ``input_layernorm``,
+    ``self_attn``, ``mlp`` and one of SANDWICH_PLACEMENTS' norm triples, and no other child (Gemma 3n's AltUp and
+    Laurel blocks are other layers), every norm of one eps and offset."""
+    names = dict(module.named_children())
+    for placement in SANDWICH_PLACEMENTS:
+        if set(names) != {"input_layernorm", "self_attn", "mlp", *placement}:
+            continue
+        norms = [names[name] for name in ("input_layernorm", *placement)]
+        sites = [rms_norm(norm) for norm in norms]
+        if None in sites or len({site.offset for site in sites}) != 1 or len(
+                {getattr(norm, site.eps_attribute) for norm, site in zip(norms, sites)}) != 1:
+            return None
+        return SandwichSite(*placement, norm=sites[1])
+    return None
+
+
 STRUCTURES = {"rms_norm": rms_norm, "gated_mlp": gated_mlp, "qkv_attention": qkv_attention,
-              "pre_norm_decoder_layer": pre_norm_decoder_layer}
+              "pre_norm_decoder_layer": pre_norm_decoder_layer,
+              "sandwich_norm_decoder_layer": sandwich_norm_decoder_layer}

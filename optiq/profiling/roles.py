@@ -9,8 +9,8 @@ hidden size is ``o_proj``, one that reads the compressed KV latent (MLA) ``kv_ex
 norm a head wide ``qk_norm``. Inside the MLP, a module holding one weight per expert (a 3-D parameter, or a module
 list as long as the expert count) is ``experts``, a matrix with a row per expert ``moe_router``, a dense MLP beside
 them (shared experts) ``mlp``. Of a layer's norms the first is ``norm``; with exactly two, the second is
-``post_attn_norm`` (the norm after the residual add that add_rmsnorm fuses); with more (post-norm placements, Gemma's
-four), they are all ``norm``.
+``post_attn_norm`` (the norm after the residual add that add_rmsnorm fuses); with more (Gemma's and GLM-4's
+four: a norm on each side of each branch), the others are ``branch_norm``, which sandwich_norm fuses with the adds.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def _layer_roles(layer: torch.nn.Module, prefix: str, kind: str, config, roles: 
     norms = [name for name, child in children if is_norm(child)]
     parts = [(name, child) for name, child in children if name not in norms and _computes(child)]
     for position, name in enumerate(norms):
-        roles[f"{prefix}.{name}"] = "post_attn_norm" if position == 1 and len(norms) == 2 else "norm"
+        roles[f"{prefix}.{name}"] = ("norm" if position == 0 else "post_attn_norm" if len(norms) == 2
+                                     else "branch_norm")
     if not parts:
         return
     mixer_name, mixer = parts[0]

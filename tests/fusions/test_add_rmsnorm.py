@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from optiq.fusions.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference
+from optiq.fusions.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference, norm_add_rmsnorm, norm_add_rmsnorm_reference
 from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 # The sum is rounded to the model dtype, then the norm rounds twice; the interpreter truncates.
@@ -86,3 +86,59 @@ def test_cuda_graph_and_compile(request):
     assert_graph_replay_and_compile(
         lambda: add_rmsnorm(x, residual, weight, EPS),
         lambda: x.copy_(make_inputs((16, 4096), torch.bfloat16, "cuda", seed_of(request) + 1)[0]))
+
+
+def check_sandwich(outputs, x, residual, branch_weight, weight, offset):
+    """norm_add_rmsnorm against its float64 reference: the normed sum (when asked for) and the new residual."""
+    expected = norm_add_rmsnorm_reference(x.double(), residual.double(), branch_weight.double(),
+                                          None if weight is None else weight.double(), EPS, offset)
+    assert (outputs[0] is None) == (weight is None)
+    for name, out, want in zip(("normed", "new_residual"), outputs, expected):
+        if want is not None:
+            torch.testing.assert_close(out.double(), want, **TOLERANCE[x.dtype], msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("normalise_sum", [True, False])
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 80), (2, 3, 48)])
+def test_norm_add_rmsnorm_matches_reference_small(request, shape, dtype, offset, normalise_sum):
+    x, residual, weight = make_inputs(shape, dtype, SMALL_DEVICE, seed_of(request))
+    branch_weight = make_inputs(shape, dtype, SMALL_DEVICE, seed_of(request) + 1)[2]
+    weight = weight if normalise_sum else None
+    check_sandwich(norm_add_rmsnorm(x, residual, branch_weight, weight, EPS, offset), x, residual, branch_weight,
+                   weight, offset)
+
+
+def test_norm_add_rmsnorm_without_its_branch_norm_fails_the_check(request):
+    """The comparison can fail: the branch's norm weight swapped for the sum's, or left out, is caught."""
+    x, residual, weight = make_inputs((3, 80), torch.float32, SMALL_DEVICE, seed_of(request))
+    branch_weight = make_inputs((3, 80), torch.float32, SMALL_DEVICE, seed_of(request) + 1)[2]
+    with pytest.raises(AssertionError):
+        check_sandwich(norm_add_rmsnorm(x, residual, weight, weight, EPS), x, residual, branch_weight, weight, False)
+    with pytest.raises(AssertionError):
+        check_sandwich(add_rmsnorm(x, residual, weight, EPS), x, residual, branch_weight, weight, False)
+
+
+@needs_cuda
+@pytest.mark.parametrize("normalise_sum", [True, False])
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("hidden", [1152, 2304, 4096])  # gemma-3-1b, gemma-2-2b, glm-4-9b
+def test_norm_add_rmsnorm_matches_reference_cuda(request, hidden, rows, offset, normalise_sum):
+    x, residual, weight = make_inputs((rows, hidden), torch.bfloat16, "cuda", seed_of(request))
+    branch_weight = make_inputs((rows, hidden), torch.bfloat16, "cuda", seed_of(request) + 1)[2]
+    weight = weight if normalise_sum else None
+    outputs = norm_add_rmsnorm(x, residual, branch_weight, weight, EPS, offset)
+    check_sandwich(outputs, x, residual, branch_weight, weight, offset)
+    # the same roundings as the eager sequence: the new residual agrees but for rare rounding-boundary cases
+    eager = norm_add_rmsnorm_reference(x, residual, branch_weight, weight, EPS, offset)
+    assert (outputs[1] != eager[1]).float().mean() < 1e-3
+
+
+@needs_cuda
+def test_norm_add_rmsnorm_cuda_graph_and_compile(request):
+    x, residual, weight = make_inputs((16, 1152), torch.bfloat16, "cuda", seed_of(request))
+    assert_graph_replay_and_compile(
+        lambda: norm_add_rmsnorm(x, residual, weight.flip(0), weight, EPS, True),
+        lambda: x.copy_(make_inputs((16, 1152), torch.bfloat16, "cuda", seed_of(request) + 1)[0]))

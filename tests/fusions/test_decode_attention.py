@@ -7,7 +7,7 @@ the presets' shapes.
 import pytest
 import torch
 
-from optiq.fusions.decode_attention import benchmark_case, decode_attention, decode_attention_reference
+from optiq.fusions.decode_attention import ATTENTION_SHAPES, benchmark_case, decode_attention, decode_attention_reference
 from kernel_testing import CUDA, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -231,10 +231,11 @@ def test_cuda_graph_capture_and_compile():
         same=lambda got, want: torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3))
 
 
-def test_benchmark_case_runs():
+def test_benchmark_cases_run():
     rows, dtype = (16, torch.bfloat16) if CUDA else (1, torch.float32)
-    case = benchmark_case(rows, dtype, SMALL_DEVICE)
-    fused, eager = case["fused"](), case["eager"]()
-    assert fused.shape == eager.shape == (rows, 1, 32, 128)
-    torch.testing.assert_close(fused, eager, rtol=TOLERANCES[dtype], atol=TOLERANCES[dtype])
-    assert case["bytes"] > 2 * rows * 8 * 1024 * 128 * fused.element_size() and case["flops"] > 0
+    for label, (num_q_heads, num_kv_heads, head_dim) in ATTENTION_SHAPES.items():
+        case = benchmark_case(rows, dtype, SMALL_DEVICE)[f"decode_attention {label}"]
+        fused, eager = case["fused"](), case["eager"]()
+        assert fused.shape == eager.shape == (rows, 1, num_q_heads, head_dim)
+        torch.testing.assert_close(fused, eager, rtol=TOLERANCES[dtype], atol=TOLERANCES[dtype])
+        assert case["bytes"] > 2 * rows * num_kv_heads * 1024 * head_dim * fused.element_size() and case["flops"] > 0
