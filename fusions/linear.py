@@ -48,12 +48,14 @@ def _linear_kernel(
              mask=mask)
 
 
-def tile_config(n: int, k: int, device: torch.device) -> dict:
+def tile_config(n: int, k: int, device: torch.device, rows: int = 1) -> dict:
     """Tiles from the shapes, as measured on the H200 (scripts/tiles.py linear, 4 warps always ahead of 8): 32 output
-    columns per program from 4096 columns up, else 16, so that a 1024-column projection still spreads over 64 SMs;
-    K tiles of 512 when every program has an SM of its own and K spans four tiles or more, else 256 (at four stages a
-    512-wide tile leaves room for one program per SM: llama-3.1-8b's 192 QKV programs then took 19.0 us, not 14.8)."""
-    block_n = 32 if n >= 4096 else 16
+    columns per program from 2048 columns up, or past 8 rows (where x's re-reads through L2 count), else 16, so that
+    a 1024-column projection still spreads over 64 SMs at one row; K tiles of 512 when every program has an SM of its
+    own and K spans four tiles or more, else 256 (at four stages a 512-wide tile leaves room for one program per SM:
+    llama-3.1-8b's 192 QKV programs then took 19.0 us, not 14.8). Phi-3's 3072 columns took 16 columns a program up
+    to session 14, which left its o_proj and down_proj a third slower."""
+    block_n = 32 if n >= 2048 or rows > 8 else 16
     wide_k = k >= 4 * 512 and triton.cdiv(n, block_n) <= multiprocessor_count(device)
     return dict(BLOCK_N=block_n, BLOCK_K=512 if wide_k else 256, num_warps=4, num_stages=4)
 
@@ -74,7 +76,7 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     out2d = out.view(rows, n)
     r2d = residual.reshape(rows, n) if residual is not None else out2d
-    config = tile_config(n, k, x.device)
+    config = tile_config(n, k, x.device, rows)
     torch.library.wrap_triton(_linear_kernel)[(triton.cdiv(n, config["BLOCK_N"]),)](
         x2d, weight, bias if bias is not None else weight, r2d, out2d, rows, n, k,
         *x2d.stride(), *weight.stride(), *r2d.stride(), *out2d.stride(),

@@ -17,7 +17,7 @@ import triton
 
 import optiq.fusions
 from optiq.measure.roofline import copy_bandwidth
-from optiq.gate import sorted_by_id
+from optiq.gate.rules import sorted_by_id
 
 ROWS = (1, 16, 64)
 
