@@ -30,7 +30,7 @@ def test_every_mutant_of_every_builtin_kernel_is_killed(tmp_path, preset):
     for name, recipe in verified.items():
         assert recipe["real"] == "passed", (name, recipe["real"])
         assert recipe["score"] == 1.0, (name, [m for m in recipe["mutants"] if m["status"] == "survived"])
-        counted = [m for m in recipe["mutants"] if m["status"] in ("killed", "survived")]
+        counted = [m for m in recipe["mutants"] if m["status"] != "unchanged"]
         assert len(counted) >= 4 and all(m["reason"] for m in counted), (name, recipe["mutants"])
     # written as they were produced, in the run directory
     kept = json.loads(next(tmp_path.glob("verify-*/verify.json")).read_text())
