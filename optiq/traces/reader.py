@@ -12,6 +12,11 @@ Events may come in any order, so linkage and enclosure are resolved after the pa
 - step: ``optiq/step/<n>`` ranges, else vLLM (``execute_context_..._generation_...``) or SGLang (``step[DECODE bs=N]``)
   markers, else the whole trace is one step (and the table says so).
 
+Hostile input is bounded before it costs memory or time (``ReadLimits``): the byte stream is checked, chunk by chunk
+and before ijson sees it, for nesting depth (ijson keeps the path of every open container, quadratic in the depth) and
+for strings and numbers longer than a limit (buffered whole; yajl crashes on a number of a few hundred MB); events,
+and the text of the distinct names kept, are counted. An event repeated verbatim is counted once.
+
 A GPU activity's ``ts`` and ``dur`` are its own time: from the end of the activities before it on its stream, where
 that is later than its start (a kernel launched with programmatic dependent launch starts waiting before its
 predecessor ends). A trace without GPU activity (a CPU-only profile) gives a table of CPU ops with their self time
@@ -21,7 +26,9 @@ instead.
 from __future__ import annotations
 
 import gzip
+import os
 import re
+import stat
 import zlib
 from array import array
 from dataclasses import dataclass, field
@@ -46,6 +53,22 @@ GPU_KINDS = {"kernel": 0, "gpu_memcpy": 1, "gpu_memset": 2}
 KIND_NAMES = ("kernel", "memcpy", "memset", "cpu_op")
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
 GRAPH_LAUNCH = "cudaGraphLaunch"
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """How much of a trace optiq will read. Real traces sit far below each: Kineto nests 6 deep, its longest names
+    are C++ signatures of a few kB, and a 1 GB trace holds about 4 M events. ``max_events`` bounds the time (ijson
+    parses ~0.5 M events a second); the others bound memory."""
+
+    max_depth: int = 100
+    max_token: int = 16 << 20  # bytes in one string or number
+    max_events: int = int(os.environ.get("OPTIQ_MAX_TRACE_EVENTS", 4_000_000))
+    max_name_bytes: int = 64 << 20  # the distinct names (kernels, ops, markers, threads) kept, together
+
+
+class _Refused(Exception):
+    """A limit of ``ReadLimits`` was reached; the message says which."""
 
 
 @dataclass
@@ -76,7 +99,9 @@ class _Columns:
 class _Scan:
     """What one pass over the events keeps."""
 
-    def __init__(self):
+    def __init__(self, limits: ReadLimits):
+        self.limits = limits
+        self.name_bytes = 0
         self.names: dict[str, int] = {}  # every kept name, interned to a code
         self.threads: dict[object, int] = {}  # string pids/tids -> integer codes
         self.gpu = _Columns(name="l", kind="b", ts="d", dur="d", device="l", stream="l", corr="q", ext="q")
@@ -85,6 +110,22 @@ class _Scan:
         self.marks: list[tuple[str, float, float, int, int]] = []  # name, ts, end, pid, tid
         self.events = 0
         self.no_duration = 0  # GPU events without a duration or with a negative one: left out
+        self.negative_ranges = 0  # annotations with a negative duration: taken as instants
+        self.repeated = 0  # events identical to one already read: counted once
+
+    def keep(self, text) -> None:
+        """Account for one more distinct name kept (only strings are names), within ``max_name_bytes``."""
+        _check_name(text)
+        self.name_bytes += len(text)
+        if self.name_bytes > self.limits.max_name_bytes:
+            raise _Refused(f"its distinct names hold over {self.limits.max_name_bytes:,} characters (the limit)")
+
+    def drop(self, columns: "_Columns", repeated: np.ndarray) -> None:
+        """Remove the rows flagged in ``repeated`` from ``columns``, counting them."""
+        keep = ~repeated
+        for name in vars(columns):
+            setattr(columns, name, array(getattr(columns, name).typecode, columns.numpy(name)[keep].tobytes()))
+        self.repeated += int(repeated.sum())
 
 
 def _open(path: Path):
@@ -96,15 +137,95 @@ def _open(path: Path):
     return raw
 
 
+_NUMBER_BYTES = b"0123456789+-.eE"
+
+
+class _Bounded:
+    """A byte stream that refuses, before the JSON parser sees them, nesting deeper than ``max_depth`` and strings or
+    numbers longer than ``max_token``. Reads are at most ``max_token`` bytes, so a longer token spans chunks and is
+    measured across them; depth counts brackets outside strings (numpy, ~3 ms a MB)."""
+
+    def __init__(self, raw, limits: ReadLimits):
+        self.raw, self.limits = raw, limits
+        self.depth = 0
+        self.in_string = False
+        self.backslashes = 0  # the run of backslashes the last chunk ended with (inside a string)
+        self.run = 0  # length of the string or number the last chunk ended in
+
+    def read(self, size: int = -1) -> bytes:
+        size = self.limits.max_token if size is None or size < 0 else min(size, self.limits.max_token)
+        chunk = self.raw.read(size)
+        if chunk:
+            self._check(chunk)
+        return chunk
+
+    def _quotes(self, a: np.ndarray, chunk: bytes) -> np.ndarray:
+        """Where the chunk has an unescaped double quote: one after an even run of backslashes (counting the run the
+        last chunk ended with)."""
+        quote = a == 0x22
+        carried, self.backslashes = self.backslashes, 0
+        if not carried and b"\\" not in chunk:
+            return quote
+        at = np.flatnonzero(quote)
+        escapes = np.where(at == 0, carried, 0)
+        slash = np.flatnonzero(a == 0x5C)
+        if len(slash):
+            new_run = np.r_[True, np.diff(slash) != 1]
+            run_start = slash[new_run][np.cumsum(new_run) - 1]  # of the run each backslash belongs to
+            carry = np.where(run_start == 0, carried, 0)  # a run from the chunk's start continues the last one's
+            i = np.minimum(np.searchsorted(slash, at - 1), len(slash) - 1)
+            escapes += np.where(slash[i] == at - 1, at - run_start[i] + carry[i], 0)
+            if slash[-1] == len(a) - 1:
+                self.backslashes = int(len(a) - run_start[-1] + carry[-1])
+        quote[at[escapes % 2 == 1]] = False
+        return quote
+
+    def _check(self, chunk: bytes) -> None:
+        a = np.frombuffer(chunk, np.uint8)
+        quote = self._quotes(a, chunk)
+        was_in_string = self.in_string
+        inside = (np.cumsum(quote, dtype=np.uint8) & 1).astype(bool) ^ was_in_string
+        folded = a | 0x20  # "[" and "{" become 0x7B, "]" and "}" 0x7D
+        brackets = np.flatnonzero((folded == 0x7B) | (folded == 0x7D))
+        brackets = brackets[~inside[brackets]]
+        if len(brackets):
+            depth = self.depth + np.cumsum(0x7C - folded[brackets].astype(np.int64))
+            if depth.max() > self.limits.max_depth:
+                raise _Refused(f"it nests arrays/objects deeper than {self.limits.max_depth} levels")
+            self.depth = int(depth[-1])
+        self.in_string = bool(inside[-1]) if len(a) else was_in_string
+        self._measure_run(chunk, quote, was_in_string)
+
+    def _measure_run(self, chunk: bytes, quote: np.ndarray, was_in_string: bool) -> None:
+        """Lengthen or end the string or number the last chunk ended in, and start the one this chunk ends in."""
+        has_quote = bool(quote.any())
+        if was_in_string:
+            head = int(quote.argmax()) if has_quote else len(chunk)
+            what = "string"
+        else:
+            head = len(chunk) - len(chunk.lstrip(_NUMBER_BYTES))
+            what = "number"
+        self.run += head
+        if self.run > self.limits.max_token:
+            raise _Refused(f"it holds a {what} longer than {self.limits.max_token:,} bytes")
+        if head == len(chunk):
+            return
+        if self.in_string:
+            last = len(quote) - 1 - int(quote[::-1].argmax())
+            self.run = len(chunk) - last - 1
+        else:
+            self.run = len(chunk) - len(chunk.rstrip(_NUMBER_BYTES))
+
+
 def _is_marker(name: str) -> bool:
     return name.startswith("optiq/") or VLLM_STEP.search(name) is not None or SGLANG_STEP.match(name) is not None
 
 
-def _scan(stream) -> _Scan:
+def _scan(stream, limits: ReadLimits) -> _Scan:
     """The one pass. The loop body is the hot path of a 1 GB trace: local names, one dict lookup per name, and
     integer pids/tids stored as they are (only string ones go through the intern table)."""
-    scan = _Scan()
-    names, threads = scan.names, scan.threads
+    scan = _Scan(limits)
+    names, threads, keep = scan.names, scan.threads, scan.keep
     g, o, la = scan.gpu, scan.ops, scan.launches
     g_name, g_kind, g_ts, g_dur = g.name.append, g.kind.append, g.ts.append, g.dur.append
     g_dev, g_stream, g_corr, g_ext = g.device.append, g.stream.append, g.corr.append, g.ext.append
@@ -114,18 +235,25 @@ def _scan(stream) -> _Scan:
     marks = scan.marks
     op_codes: dict[str, int] = {}  # cpu_op name -> code, or -1 - code for a step/layer/role marker
     launch_codes: dict[str, int] = {}  # runtime call name -> code, or -1 when it launches nothing
-    count = 0
-    for ev in _ijson.items(stream, "traceEvents.item", use_float=True):
+    marker_names: dict[str, str] = {}  # one string per distinct marker name (ijson makes a new one per event)
+    count, max_events, previous = 0, limits.max_events, None
+    for ev in _ijson.items(stream, "traceEvents.item", use_float=True, buf_size=1 << 20):
         count += 1
+        if count > max_events:
+            raise _Refused(f"it holds more than {max_events:,} events (the limit; OPTIQ_MAX_TRACE_EVENTS raises it)")
+        if ev == previous:  # an exporter that wrote one event many times (events repeated apart: see _dedupe)
+            scan.repeated += 1
+            continue
+        previous = ev
         cat = ev.get("cat")
         if cat == "cpu_op":
             name = ev["name"]
             code = op_codes.get(name)
             if code is None:
-                _check_name(name)
+                keep(name)
                 code = names.setdefault(name, len(names))
                 code = op_codes[name] = -1 - code if _is_marker(name) else code
-            pid, tid = _thread(ev, threads)
+            pid, tid = _thread(ev, threads, keep)
             ts, dur = ev["ts"], ev.get("dur", 0.0)
             if dur < 0:  # a clock that stepped back: the op took no time
                 dur = 0.0
@@ -146,7 +274,7 @@ def _scan(stream) -> _Scan:
             name = ev["name"]
             code = names.get(name)
             if code is None:
-                _check_name(name)
+                keep(name)
                 code = names[name] = len(names)
             args = ev.get("args") or {}
             g_name(code)
@@ -161,12 +289,12 @@ def _scan(stream) -> _Scan:
             name = ev["name"]
             code = launch_codes.get(name)
             if code is None:
-                _check_name(name)
+                keep(name)
                 launches = any(word in name for word in ("Launch", "Memcpy", "Memset"))
                 code = launch_codes[name] = names.setdefault(name, len(names)) if launches else -1
             if code < 0:
                 continue
-            pid, tid = _thread(ev, threads)
+            pid, tid = _thread(ev, threads, keep)
             l_name(code)
             l_ts(ev["ts"])
             l_pid(pid)
@@ -176,10 +304,46 @@ def _scan(stream) -> _Scan:
             name = ev["name"]
             _check_name(name)
             if _is_marker(name):
-                pid, tid = _thread(ev, threads)
-                marks.append((name, ev["ts"], ev["ts"] + ev.get("dur", 0.0), pid, tid))
+                if name not in marker_names:
+                    keep(name)
+                    marker_names[name] = name
+                name = marker_names[name]
+                pid, tid = _thread(ev, threads, keep)
+                ts, dur = ev["ts"], ev.get("dur", 0.0)
+                if dur < 0:  # a range that ends before it starts: an instant, and said
+                    scan.negative_ranges += 1
+                    dur = 0.0
+                marks.append((name, ts, ts + dur, pid, tid))
     scan.events = count
     return scan
+
+
+def _repeated_rows(columns: _Columns) -> np.ndarray:
+    """Rows equal in every column to an earlier row: the same event written twice (some exporters repeat the whole
+    list). Sorting keeps it O(n log n) in time and a few bytes a row in memory."""
+    values = [columns.numpy(name) for name in vars(columns)]
+    values = [v.view(np.int64) if v.dtype == np.float64 else v for v in values]  # NaN equals itself bitwise
+    repeated = np.zeros(len(values[0]), bool)
+    if len(repeated) < 2:
+        return repeated
+    order = np.lexsort(values)
+    same = np.ones(len(order) - 1, bool)
+    for v in values:
+        sorted_v = v[order]
+        same &= sorted_v[1:] == sorted_v[:-1]
+    repeated[order[1:][same]] = True  # lexsort is stable: the first of equal rows stays
+    return repeated
+
+
+def _dedupe(scan: _Scan) -> None:
+    """Count each distinct GPU activity, op, launch and marker once."""
+    for columns in (scan.gpu, scan.ops, scan.launches):
+        repeated = _repeated_rows(columns)
+        if repeated.any():
+            scan.drop(columns, repeated)
+    distinct = list(dict.fromkeys(scan.marks))
+    scan.repeated += len(scan.marks) - len(distinct)
+    scan.marks = distinct
 
 
 def _check_name(name) -> None:
@@ -188,23 +352,41 @@ def _check_name(name) -> None:
         raise TypeError(f"name {repr(name)[:60]} is not a string")
 
 
-def _thread(ev: dict, threads: dict) -> tuple[int, int]:
+def _thread(ev: dict, threads: dict, keep) -> tuple[int, int]:
     """pid and tid as integers; a string one (some exporters name threads) gets a code far above any real id."""
     pid, tid = ev.get("pid", -1), ev.get("tid", -1)
     if pid.__class__ is not int:
-        pid = threads.setdefault(pid, (1 << 30) + len(threads))
+        pid = threads.get(pid) or _thread_code(pid, threads, keep)
     if tid.__class__ is not int:
-        tid = threads.setdefault(tid, (1 << 30) + len(threads))
+        tid = threads.get(tid) or _thread_code(tid, threads, keep)
     return pid, tid
 
 
-def _has_trace_events(path: Path) -> bool:
-    """Whether the top-level object has a ``traceEvents`` key (asked only when the pass found no event)."""
-    with _open(path) as stream:
-        for prefix, event, value in _ijson.parse(stream):
+def _thread_code(value, threads: dict, keep) -> int:
+    if value.__class__ is str:
+        keep(value)
+    return threads.setdefault(value, (1 << 30) + len(threads))
+
+
+_JSON_KINDS = {"start_map": "an object", "start_array": "an array", "string": "a string", "number": "a number",
+               "boolean": "a boolean", "null": "null"}
+
+
+def _without_events(path: Path, limits: ReadLimits) -> str:
+    """What the file holds instead of events (asked only when the pass found none): no ``traceEvents`` key, an empty
+    list, or a ``traceEvents`` (or a top level) of another JSON kind."""
+    with _open(path) as raw:
+        events = iter(_ijson.parse(_Bounded(raw, limits)))
+        _, top, _ = next(events)
+        if top != "start_map":
+            return f"the top level is {_JSON_KINDS.get(top, top)}, not an object with traceEvents"
+        for prefix, event, value in events:
             if prefix == "" and event == "map_key" and value == "traceEvents":
-                return True
-    return False
+                _, kind, _ = next(events)
+                if kind == "start_array":
+                    return "an empty traceEvents list"
+                return f"traceEvents is {_JSON_KINDS.get(kind, kind)}, not a list of events"
+    return "no traceEvents"
 
 
 def _rank_of(path: Path, fallback: int) -> int:
@@ -460,39 +642,75 @@ def _launch_counts(scan: _Scan, steps: pd.DataFrame) -> np.ndarray:
     return np.bincount(idx[idx >= 0], minlength=len(steps))
 
 
-def read_trace(path: str | Path, rank: int | None = None) -> Trace:
-    """Read one trace file into its kernel table and steps; any malformed input raises a one-line OptiqError."""
-    path = Path(path)
-    if not path.is_file():
-        raise OptiqError(f"{path}: no such trace file")
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _check_regular_file(path: Path) -> None:
+    """Refuse, without opening it (opening a FIFO blocks until a writer comes), anything but a readable regular
+    file."""
     try:
-        with _open(path) as stream:
-            scan = _scan(stream)
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise OptiqError(f"{path}: no such trace file") from None
+    except OSError as exc:
+        raise OptiqError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    for test, what in _NOT_REGULAR:
+        if test(mode):
+            raise OptiqError(f"{path}: {what}, not a trace file")
+    if not stat.S_ISREG(mode):
+        raise OptiqError(f"{path}: not a regular file, not a trace file")
+
+
+def read_trace(path: str | Path, rank: int | None = None, limits: ReadLimits = ReadLimits()) -> Trace:
+    """Read one trace file into its kernel table and steps; any malformed or oversized input raises a one-line
+    OptiqError."""
+    path = Path(path)
+    _check_regular_file(path)
+    try:
+        return _read(path, rank, limits)
+    except _Refused as exc:
+        raise OptiqError(f"{path}: refused: {exc}") from None
+    except MemoryError:
+        raise OptiqError(f"{path}: out of memory reading it (a smaller trace, or fewer steps, would fit)") from None
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise OptiqError(f"{path}: truncated or corrupt gzip ({exc})") from None
     except (ijson.JSONError, ijson.IncompleteJSONError, UnicodeDecodeError) as exc:
         raise OptiqError(f"{path}: not a JSON trace ({str(exc).splitlines()[0][:120]})") from None
     except KeyError as exc:
-        raise OptiqError(f"{path}: trace event without a {exc} field") from None
+        raise OptiqError(f"{path}: trace event without a {' '.join(str(exc).split())[:80]} field") from None
     except (TypeError, AttributeError, ValueError, OverflowError) as exc:  # a field (or the event) of the wrong type
         raise OptiqError(f"{path}: malformed trace event ({' '.join(str(exc).split())[:160]})") from None
+    except OSError as exc:  # a read error of the disk, or a file that went away
+        raise OptiqError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def _read(path: Path, rank: int | None, limits: ReadLimits) -> Trace:
+    with _open(path) as raw:
+        scan = _scan(_Bounded(raw, limits), limits)
     if not scan.events:
-        what = "an empty traceEvents list" if _has_trace_events(path) else "no traceEvents"
-        raise OptiqError(f"{path}: {what}; not a Kineto/torch.profiler trace")
+        raise OptiqError(f"{path}: {_without_events(path, limits)}; not a Kineto/torch.profiler trace")
+    _dedupe(scan)
     names = list(scan.names)
     steps, step_source, notes = _steps(scan)
     if scan.no_duration:
         notes.append(f"{scan.no_duration} GPU event(s) without a duration or with a negative one left out")
+    if scan.negative_ranges:
+        notes.append(f"{scan.negative_ranges} annotation(s) with a negative duration taken as instants")
+    if scan.repeated:
+        notes.append(f"{scan.repeated} event(s) repeated verbatim counted once")
     cpu_only = not len(scan.gpu.ts)
     if cpu_only:
         if not len(scan.ops.ts):
             raise OptiqError(f"{path}: no GPU events (kernels, memcpy, memset) and no CPU ops to attribute")
         notes.insert(0, "no GPU events: attributing CPU op self time instead")
         kernels = _cpu_table(scan, steps, names)
+        ends = scan.ops.numpy("ts") + scan.ops.numpy("dur")  # an op's whole range, not its self time
     else:
         kernels = _gpu_table(scan, steps, names)
+        ends = (kernels["ts"] + kernels["dur"]).to_numpy()
     if step_source == "whole trace":
-        first, last = kernels["ts"].min(), (kernels["ts"] + kernels["dur"]).max()
+        first, last = kernels["ts"].min(), ends.max()
         steps = pd.DataFrame([(0, "whole trace", first, last, -1)], columns=["step", "name", "start", "end", "pid"])
         kernels["step"] = 0
         launches = np.array([len(scan.launches.ts)])
