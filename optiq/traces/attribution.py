@@ -8,9 +8,9 @@ graph replay with an eager step, the kernel's name, or nothing) is always report
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
-from difflib import SequenceMatcher
 
 import numpy as np
 import pandas as pd
@@ -49,36 +49,85 @@ def align_graph_with_eager(graph: Trace, eager: Trace) -> int:
 def _align(graph: Trace, eager: Trace) -> int:
     """Give CUDA-graph kernels the op, class, role and layer of their twins in an eager step of the same model and
     batch: the replay runs the same kernels in the same order. The eager reference is its most frequent step
-    sequence; sequences are matched by kernel name (difflib), so a kernel the graph added or dropped just stays
-    unmatched. Returns how many kernels were aligned; they are marked with method "alignment"."""
+    sequence; sequences are matched by kernel name (``_in_order_pairs``), so a kernel the graph added or dropped just
+    stays unmatched. Returns how many kernels were aligned; they are marked with method "alignment"."""
     reference = _reference_step(eager.kernels)
     if reference is None:
         return 0
     ref_names = list(reference["name"].astype(object))
+    ref_linked = (reference["method"] == "linkage").to_numpy()
     graph_rows = graph.kernels[graph.kernels["graph"] & (graph.kernels["step"] >= 0)].sort_values(["step", "ts"])
-    updates: dict[str, list] = {col: [] for col in _INHERITED}
-    targets: list[int] = []
+    targets, twins = [], []
     for sequence, rows in _sequences(graph_rows).items():
-        blocks = SequenceMatcher(None, sequence, ref_names, autojunk=False).get_matching_blocks()
-        for a, b, size in blocks:
-            for offset in range(size):
-                twin = reference.iloc[b + offset]
-                if twin["method"] != "linkage":
-                    continue
-                for index in rows[:, a + offset]:
-                    targets.append(index)
-                    for col in _INHERITED:
-                        updates[col].append(twin[col])
-    if not targets:
+        mine, theirs = _in_order_pairs(sequence, ref_names)
+        keep = ref_linked[theirs]
+        mine, theirs = mine[keep], theirs[keep]
+        targets.append(rows[:, mine].ravel())
+        twins.append(np.tile(theirs, len(rows)))
+    targets = np.concatenate(targets) if targets else np.array([], np.int64)
+    if not len(targets):
         return 0
+    twins = np.concatenate(twins)
     table = graph.kernels
-    for col in ("op", "top_op"):
-        new = {v for v in updates[col] if isinstance(v, str)} - set(table[col].cat.categories)
-        table[col] = table[col].cat.add_categories(sorted(new))
-    for col, values in updates.items():
+    for col in _INHERITED:
+        values = reference[col].to_numpy()[twins]
+        if col in ("op", "top_op"):
+            new = {v for v in values if isinstance(v, str)} - set(table[col].cat.categories)
+            table[col] = table[col].cat.add_categories(sorted(new))
         table.loc[targets, col] = values
     table.loc[targets, "method"] = "alignment"
     return len(targets)
+
+
+def _in_order_pairs(a: tuple, b: list, window: int = 16, confirm: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (i in ``a``, j in ``b``) of equal names, increasing in both: a walk along both that, where they
+    differ, resumes at the nearest equal pair ahead, preferring one the next ``confirm`` names agree with. The
+    candidates are the next occurrence in ``b`` of each of ``a``'s next ``window`` names, and the other way round,
+    so the walk costs O(window log n) a difference and a step of identical sequences costs one comparison a kernel,
+    where difflib's longest-block search is quadratic in the step's length."""
+    where_a, where_b = _positions(a), _positions(b)
+    pairs_a, pairs_b = [], []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] == b[j]:
+            pairs_a.append(i)
+            pairs_b.append(j)
+            i += 1
+            j += 1
+            continue
+        candidates = [(x, _next(where_b, a[i + x], j) - j) for x in range(min(window, len(a) - i))]
+        candidates += [(_next(where_a, b[j + y], i) - i, y) for y in range(min(window, len(b) - j))]
+        best = None
+        for x, y in candidates:
+            if x < 0 or y < 0:
+                continue
+            span = min(confirm, len(a) - i - x, len(b) - j - y)
+            agreed = next((k for k in range(span) if a[i + x + k] != b[j + y + k]), span) == span
+            key = (not agreed, x + y)
+            if best is None or key < best[0]:
+                best = (key, x, y)
+        if best is None:  # nothing in the window recurs on the other side: both kernels differ
+            i, j = i + 1, j + 1
+        else:
+            i, j = i + best[1], j + best[2]
+    return np.array(pairs_a, np.int64), np.array(pairs_b, np.int64)
+
+
+def _positions(names) -> dict:
+    where: dict = {}
+    for position, name in enumerate(names):
+        where.setdefault(name, []).append(position)
+    return where
+
+
+def _next(where: dict, name, start: int) -> int:
+    """The first position of ``name`` at or after ``start``, or -1 when there is none."""
+    found = where.get(name)
+    if found:
+        k = bisect_left(found, start)
+        if k < len(found):
+            return found[k]
+    return -1
 
 
 def _reference_step(kernels: pd.DataFrame) -> pd.DataFrame | None:
@@ -115,13 +164,14 @@ def _busy(ts: np.ndarray, dur: np.ndarray) -> float:
 
 
 def step_stats(trace: Trace) -> pd.DataFrame:
-    """Per step: wall time, GPU busy time (union of kernel intervals), summed kernel time, idle fraction
-    (1 - busy / wall: the launch gaps), kernels, launches.
+    """Per step: wall time, GPU busy time (union of kernel intervals within the wall time), summed kernel time, idle
+    fraction (1 - busy / wall: the launch gaps), kernels, launches.
 
     A step's wall time runs from when both the host has begun it and the GPU has finished the work queued before it,
     to the later of its host end and its last kernel's end. For CPU-bound eager steps that is the host's range; for
     steps the host only enqueues (graph replays run ahead of the GPU) it is the GPU's time on the step, queueing
-    excluded."""
+    excluded. A CPU-only trace has no queue: its wall time is the step's range, and its busy time the ops' self time
+    (several threads at once can fill more than the wall time: idle is then 0, never negative)."""
     kernels = trace.kernels[trace.kernels["step"] >= 0]
     by_step = dict(tuple(kernels.groupby("step")))
     # When the GPU finished everything that started before a given time (in a step or not, e.g. warm-up work).
@@ -133,12 +183,17 @@ def step_stats(trace: Trace) -> pd.DataFrame:
         mine = by_step.get(step.step, kernels.iloc[:0])
         ts, dur = mine["ts"].to_numpy(), mine["dur"].to_numpy()
         end = max(step.end, float((ts + dur).max()) if len(ts) else step.end)
-        before = np.searchsorted(all_ts, ts.min(), side="left") if len(ts) else 0
-        gpu_free = float(done_by[before - 1]) if before else float("-inf")
-        wall = end - max(step.start, gpu_free)
-        busy = float(dur.sum()) if trace.cpu_only else _busy(ts, dur)
+        if trace.cpu_only:
+            start = step.start
+            busy = float(dur.sum())
+        else:
+            before = np.searchsorted(all_ts, ts.min(), side="left") if len(ts) else 0
+            start = max(step.start, float(done_by[before - 1]) if before else float("-inf"))
+            early = ts < start  # partly run, on another stream, before the wall time began: only the rest counts
+            busy = _busy(np.where(early, start, ts), np.where(early, np.clip(ts + dur - start, 0, None), dur))
+        wall = max(end - start, 0.0)
         rows.append({"rank": trace.rank, "step": step.step, "marker": step.name, "wall_us": wall, "busy_us": busy,
-                     "kernel_us": float(dur.sum()), "idle_frac": 1 - busy / wall if wall > 0 else 0.0,
+                     "kernel_us": float(dur.sum()), "idle_frac": max(1 - busy / wall, 0.0) if wall > 0 else 0.0,
                      "kernels": len(mine), "launches": int(step.launches)})
     return pd.DataFrame(rows, columns=["rank", "step", "marker", "wall_us", "busy_us", "kernel_us", "idle_frac",
                                        "kernels", "launches"])
