@@ -185,6 +185,13 @@ def test_the_event_limit_stops_the_cli_in_bounded_time(tmp_path):
     assert_clean_failure(result, "holds more than 2,000 events (the limit; OPTIQ_MAX_TRACE_EVENTS raises it)")
 
 
+@pytest.mark.parametrize("value", ["lots", "0", "-5", ""])
+def test_a_bad_event_limit_in_the_environment_is_one_line(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("OPTIQ_MAX_TRACE_EVENTS", value)
+    with pytest.raises(OptiqError, match="OPTIQ_MAX_TRACE_EVENTS must be a positive whole number of events"):
+        read_trace(events_file(tmp_path / "t.json", [kernel(0.0)]))
+
+
 def test_events_repeated_apart_are_counted_once(tmp_path):
     """The whole event list written three times tripled kernels per step: identical events now count once."""
     events = [annotation("optiq/step/0", 0.0, 100.0), launch(10.0, 1), kernel(20.0, corr=1), launch(30.0, 2),
@@ -350,3 +357,22 @@ def test_in_order_pairs(a, b, expected):
     assert len(i) == expected
     assert all(a[x] == b[y] for x, y in zip(i, j))
     assert np.all(np.diff(i) > 0) and np.all(np.diff(j) > 0)
+
+
+def test_a_gzip_bomb_is_refused_in_seconds(tmp_path):
+    """Ten million identical kernels (the issue's 4 GB case) are 1 GB in a few MB of gzip; here one million, 100 MB in
+    100 kB: inflating over 250 times past the first 64 MB is refused before the parse costs its time."""
+    event = json.dumps(kernel(10.0)).encode()
+    block = b"," + b",".join([event] * 10_000)
+    path = tmp_path / "bomb.json.gz"
+    with gzip.open(path, "wb", compresslevel=9) as f:
+        f.write(b'{"traceEvents": [' + event)
+        for _ in range(100):
+            f.write(block)
+        f.write(b"]}")
+    started = time.monotonic()
+    with pytest.raises(OptiqError, match="its gzip inflates over 8 times"):
+        read_trace(path, limits=ReadLimits(max_inflation=8, inflation_free=1 << 20))
+    assert time.monotonic() - started < 5
+    result = optiq_capped("analyze", path, timeout=60)
+    assert_clean_failure(result, "its gzip inflates over 250 times (a decompression bomb")

@@ -31,7 +31,7 @@ import re
 import stat
 import zlib
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import ijson
@@ -63,8 +63,24 @@ class ReadLimits:
 
     max_depth: int = 100
     max_token: int = 16 << 20  # bytes in one string or number
-    max_events: int = int(os.environ.get("OPTIQ_MAX_TRACE_EVENTS", 4_000_000))
+    max_events: int | None = None  # None: OPTIQ_MAX_TRACE_EVENTS, else 4 M
     max_name_bytes: int = 64 << 20  # the distinct names (kernels, ops, markers, threads) kept, together
+    max_inflation: int = 250  # bytes a compressed byte may inflate to (real traces: under 40), past the first...
+    inflation_free: int = 64 << 20  # ...this many bytes inflated: a gzip bomb is refused in seconds, not after GBs
+
+    def resolved(self) -> "ReadLimits":
+        """These limits with ``max_events`` read from the environment where it is None."""
+        if self.max_events is not None:
+            return self
+        text = os.environ.get(EVENTS_VARIABLE)
+        if text is None:
+            return replace(self, max_events=4_000_000)
+        if not text.strip().isdecimal() or int(text) < 1:
+            raise OptiqError(f"{EVENTS_VARIABLE} must be a positive whole number of events, not {text!r}")
+        return replace(self, max_events=int(text))
+
+
+EVENTS_VARIABLE = "OPTIQ_MAX_TRACE_EVENTS"
 
 
 class _Refused(Exception):
@@ -141,12 +157,15 @@ _NUMBER_BYTES = b"0123456789+-.eE"
 
 
 class _Bounded:
-    """A byte stream that refuses, before the JSON parser sees them, nesting deeper than ``max_depth`` and strings or
-    numbers longer than ``max_token``. Reads are at most ``max_token`` bytes, so a longer token spans chunks and is
-    measured across them; depth counts brackets outside strings (numpy, ~3 ms a MB)."""
+    """A byte stream that refuses, before the JSON parser sees them, nesting deeper than ``max_depth``, strings or
+    numbers longer than ``max_token`` and gzip that inflates more than ``max_inflation`` times. Reads are at most
+    ``max_token`` bytes, so a longer token spans chunks and is measured across them; depth counts brackets outside
+    strings (numpy, ~3 ms a MB)."""
 
     def __init__(self, raw, limits: ReadLimits):
         self.raw, self.limits = raw, limits
+        self.compressed = raw.fileobj if isinstance(raw, gzip.GzipFile) else None
+        self.inflated = 0
         self.depth = 0
         self.in_string = False
         self.backslashes = 0  # the run of backslashes the last chunk ended with (inside a string)
@@ -157,6 +176,11 @@ class _Bounded:
         chunk = self.raw.read(size)
         if chunk:
             self._check(chunk)
+            self.inflated += len(chunk)
+            if self.compressed is not None and self.inflated > self.limits.inflation_free and \
+                    self.inflated > self.limits.max_inflation * self.compressed.tell():
+                raise _Refused(f"its gzip inflates over {self.limits.max_inflation} times (a decompression bomb; "
+                               "real traces inflate under 40 times)")
         return chunk
 
     def _quotes(self, a: np.ndarray, chunk: bytes) -> np.ndarray:
@@ -236,11 +260,11 @@ def _scan(stream, limits: ReadLimits) -> _Scan:
     op_codes: dict[str, int] = {}  # cpu_op name -> code, or -1 - code for a step/layer/role marker
     launch_codes: dict[str, int] = {}  # runtime call name -> code, or -1 when it launches nothing
     marker_names: dict[str, str] = {}  # one string per distinct marker name (ijson makes a new one per event)
-    count, max_events, previous = 0, limits.max_events, None
+    count, max_events, previous = 0, limits.max_events, object()  # equal to no event
     for ev in _ijson.items(stream, "traceEvents.item", use_float=True, buf_size=1 << 20):
         count += 1
         if count > max_events:
-            raise _Refused(f"it holds more than {max_events:,} events (the limit; OPTIQ_MAX_TRACE_EVENTS raises it)")
+            raise _Refused(f"it holds more than {max_events:,} events (the limit; {EVENTS_VARIABLE} raises it)")
         if ev == previous:  # an exporter that wrote one event many times (events repeated apart: see _dedupe)
             scan.repeated += 1
             continue
@@ -666,6 +690,7 @@ def read_trace(path: str | Path, rank: int | None = None, limits: ReadLimits = R
     """Read one trace file into its kernel table and steps; any malformed or oversized input raises a one-line
     OptiqError."""
     path = Path(path)
+    limits = limits.resolved()
     _check_regular_file(path)
     try:
         return _read(path, rank, limits)
