@@ -70,7 +70,8 @@ _KERNEL_PATTERNS = [(re.compile(p, re.IGNORECASE), c) for p, c in [
     (r"catarraybatchedcopy|direct_copy|copy_kernel|index_copy|index_put|_to_copy|copy_device_to_device|"
      r"reshape_and_cache|concat_and_cache|store_kvcache|repeat_interleave|cat_kernel", "copy_"),
     (r"batched|bmm", "bmm"),
-    (r"gemm|gemv|nvjet|cutlass|xmma|cublas|_mm_|matmul|(?:\A|(?<=\n))(?>.*?sm\d+_).*tensorop|wgmma|splitk|dot_kernel", "gemm"),
+    (r"gemm|gemv|nvjet|cutlass|xmma|cublas|_mm_|matmul|(?:\A|(?<=\n))(?>.*?sm\d+_).*tensorop|wgmma|splitk|"
+     r"dot_kernel", "gemm"),
     (r"rms_?norm|layer_?norm|group_?norm|batch_?norm|_norm_", "norm"),
     (r"rotary|rope", "rope"),
     (r"argmax|argmin|multinomial|sampl|top_p|top_k_|exponential|distribution", "sampling"),
