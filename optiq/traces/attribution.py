@@ -150,19 +150,6 @@ def _sequences(rows: pd.DataFrame) -> dict[tuple, np.ndarray]:
     return {seq: np.stack(indexes) for seq, indexes in found.items()}
 
 
-def _busy(ts: np.ndarray, dur: np.ndarray) -> float:
-    """Length of the union of kernel intervals: time on several streams at once counts once. Computed as the summed
-    durations less each interval's overlap with those before it, so that without overlap it is exactly their sum
-    (timestamps near 5e12 us would lose the nanoseconds in end - start)."""
-    if not len(ts):
-        return 0.0
-    order = np.argsort(ts, kind="stable")
-    ts, dur = ts[order], dur[order]
-    reach = np.maximum.accumulate(ts + dur)
-    overlap = np.clip(np.minimum(ts[1:] + dur[1:], reach[:-1]) - ts[1:], 0, None)
-    return float(dur.sum() - overlap.sum())
-
-
 def step_stats(trace: Trace) -> pd.DataFrame:
     """Per step: wall time, GPU busy time (union of kernel intervals within the wall time), summed kernel time, idle
     fraction (1 - busy / wall: the launch gaps), kernels, launches.
@@ -171,32 +158,64 @@ def step_stats(trace: Trace) -> pd.DataFrame:
     to the later of its host end and its last kernel's end. For CPU-bound eager steps that is the host's range; for
     steps the host only enqueues (graph replays run ahead of the GPU) it is the GPU's time on the step, queueing
     excluded. A CPU-only trace has no queue: its wall time is the step's range, and its busy time the ops' self time
-    (several threads at once can fill more than the wall time: idle is then 0, never negative)."""
+    (several threads at once can fill more than the wall time: idle is then 0, never negative).
+
+    Vectorised over steps (a trace may hold a million): each kernel is placed by its step's row, and per-step
+    sums, extremes and interval unions are taken with bincount and one sort."""
+    steps = trace.steps
+    n = len(steps)
     kernels = trace.kernels[trace.kernels["step"] >= 0]
-    by_step = dict(tuple(kernels.groupby("step")))
-    # When the GPU finished everything that started before a given time (in a step or not, e.g. warm-up work).
-    order = np.argsort(trace.kernels["ts"].to_numpy(), kind="stable")
-    all_ts = trace.kernels["ts"].to_numpy()[order]
-    done_by = np.maximum.accumulate((trace.kernels["ts"] + trace.kernels["dur"]).to_numpy()[order])
-    rows = []
-    for step in trace.steps.itertuples():
-        mine = by_step.get(step.step, kernels.iloc[:0])
-        ts, dur = mine["ts"].to_numpy(), mine["dur"].to_numpy()
-        end = max(step.end, float((ts + dur).max()) if len(ts) else step.end)
-        if trace.cpu_only:
-            start = step.start
-            busy = float(dur.sum())
-        else:
-            before = np.searchsorted(all_ts, ts.min(), side="left") if len(ts) else 0
-            start = max(step.start, float(done_by[before - 1]) if before else float("-inf"))
-            early = ts < start  # partly run, on another stream, before the wall time began: only the rest counts
-            busy = _busy(np.where(early, start, ts), np.where(early, np.clip(ts + dur - start, 0, None), dur))
-        wall = max(end - start, 0.0)
-        rows.append({"rank": trace.rank, "step": step.step, "marker": step.name, "wall_us": wall, "busy_us": busy,
-                     "kernel_us": float(dur.sum()), "idle_frac": max(1 - busy / wall, 0.0) if wall > 0 else 0.0,
-                     "kernels": len(mine), "launches": int(step.launches)})
-    return pd.DataFrame(rows, columns=["rank", "step", "marker", "wall_us", "busy_us", "kernel_us", "idle_frac",
-                                       "kernels", "launches"])
+    step_ids = steps["step"].to_numpy(np.int64)
+    by_id = np.argsort(step_ids, kind="stable")
+    k_step = kernels["step"].to_numpy(np.int64)
+    found = np.minimum(np.searchsorted(step_ids[by_id], k_step), max(n - 1, 0))
+    known = (step_ids[by_id][found] == k_step) if n else np.zeros(len(k_step), bool)
+    row = by_id[found][known]  # each kernel's row in ``steps``
+    ts, dur = kernels["ts"].to_numpy(float)[known], kernels["dur"].to_numpy(float)[known]
+    count = np.bincount(row, minlength=n)
+    kernel_us = np.bincount(row, weights=dur, minlength=n)
+    last_end, first_ts = np.full(n, -np.inf), np.full(n, np.inf)
+    np.maximum.at(last_end, row, ts + dur)
+    np.minimum.at(first_ts, row, ts)
+    end = np.maximum(steps["end"].to_numpy(float), last_end)
+    start = steps["start"].to_numpy(float)
+    if trace.cpu_only:
+        busy = kernel_us
+    else:
+        # When the GPU finished everything that started before a given time (in a step or not, e.g. warm-up work).
+        all_ts = np.sort(trace.kernels["ts"].to_numpy(float), kind="stable")
+        order = np.argsort(trace.kernels["ts"].to_numpy(float), kind="stable")
+        done_by = np.maximum.accumulate((trace.kernels["ts"] + trace.kernels["dur"]).to_numpy(float)[order]) \
+            if len(order) else np.array([])
+        before = np.searchsorted(all_ts, first_ts, side="left")
+        gpu_free = np.where((count > 0) & (before > 0), done_by[np.maximum(before - 1, 0)] if len(done_by) else 0,
+                            -np.inf)
+        start = np.maximum(start, gpu_free)
+        busy = _busy_per_group(row, ts, dur, start[row], n)
+    wall = np.maximum(end - start, 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        idle = np.where(wall > 0, np.maximum(1 - busy / wall, 0.0), 0.0)
+    return pd.DataFrame({"rank": trace.rank, "step": step_ids, "marker": steps["name"].to_numpy(object),
+                         "wall_us": wall, "busy_us": busy, "kernel_us": kernel_us, "idle_frac": idle,
+                         "kernels": count, "launches": steps["launches"].to_numpy(np.int64)},
+                        columns=["rank", "step", "marker", "wall_us", "busy_us", "kernel_us", "idle_frac", "kernels",
+                                 "launches"])
+
+
+def _busy_per_group(group: np.ndarray, ts: np.ndarray, dur: np.ndarray, start: np.ndarray, groups: int) -> np.ndarray:
+    """Per group, the length of the union of its intervals from the group's ``start`` on (a kernel another stream
+    began earlier counts only its part after it): time on several streams at once counts once. Computed as the summed
+    durations less each interval's overlap with those before it, so that without overlap it is exactly their sum
+    (timestamps near 5e12 us would lose the nanoseconds in end - start)."""
+    early = ts < start
+    ts, dur = np.where(early, start, ts), np.where(early, np.clip(ts + dur - start, 0, None), dur)
+    order = np.lexsort((ts, group))
+    group, ts, dur = group[order], ts[order], dur[order]
+    reach = pd.Series(ts + dur).groupby(group).cummax().to_numpy()
+    same = np.r_[False, group[1:] == group[:-1]]
+    before = np.where(same, np.r_[-np.inf, reach[:-1]], -np.inf)
+    overlap = np.clip(np.minimum(ts + dur, before) - ts, 0, None)
+    return np.bincount(group, weights=dur, minlength=groups) - np.bincount(group, weights=overlap, minlength=groups)
 
 
 def weighted_kernels(traces: list[Trace]) -> pd.DataFrame:
