@@ -9,6 +9,7 @@ graph replay with an eager step, the kernel's name, or nothing) is always report
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,18 +136,27 @@ def _reference_step(kernels: pd.DataFrame) -> pd.DataFrame | None:
     in_steps = kernels[(kernels["step"] >= 0) & ~kernels["graph"]].sort_values(["step", "ts"])
     if in_steps.empty:
         return None
-    groups = {step: rows for step, rows in in_steps.groupby("step")}
-    keys = {step: tuple(rows["name"].astype(object)) for step, rows in groups.items()}
-    counts = pd.Series(list(keys.values())).value_counts()
-    best = counts.index[0]
-    return next(groups[step] for step, key in keys.items() if key == best)
+    bounds = _step_bounds(in_steps)
+    names = in_steps["name"].astype(object).to_numpy()
+    keys = [tuple(names[lo:hi]) for lo, hi in bounds]
+    best = Counter(keys).most_common(1)[0][0]
+    lo, hi = bounds[keys.index(best)]
+    return in_steps.iloc[lo:hi]
+
+
+def _step_bounds(rows: pd.DataFrame) -> list[tuple[int, int]]:
+    """(first, end) positions of each step's rows in ``rows``, sorted by step: one pass, however many steps."""
+    cuts = (np.flatnonzero(np.diff(rows["step"].to_numpy())) + 1).tolist()
+    return list(zip([0, *cuts], [*cuts, len(rows)]))
 
 
 def _sequences(rows: pd.DataFrame) -> dict[tuple, np.ndarray]:
-    """Distinct kernel-name sequences of the steps in ``rows``, each with its row labels as [steps, position]."""
+    """Distinct kernel-name sequences of the steps in ``rows`` (sorted by step), each with its row labels as
+    [steps, position]."""
+    names, labels = rows["name"].astype(object).to_numpy(), rows.index.to_numpy()
     found: dict[tuple, list] = {}
-    for _, step_rows in rows.groupby("step"):
-        found.setdefault(tuple(step_rows["name"].astype(object)), []).append(step_rows.index.to_numpy())
+    for lo, hi in _step_bounds(rows) if len(rows) else []:
+        found.setdefault(tuple(names[lo:hi]), []).append(labels[lo:hi])
     return {seq: np.stack(indexes) for seq, indexes in found.items()}
 
 
