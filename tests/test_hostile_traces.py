@@ -391,3 +391,18 @@ def test_many_steps_cost_linear_time(tmp_path):
     assert time.monotonic() - started < 3
     assert len(steps) == 50_000 and (steps["kernels"] == 1).all() and (steps["launches"] == 1).all()
     assert np.allclose(steps["wall_us"], 50.0) and np.allclose(steps["busy_us"], 1.0)
+
+
+def test_deeply_nested_annotations_cost_linear_time(tmp_path):
+    """60,000 role ranges each inside the last, and a kernel launched just after each one ends: the innermost range
+    around each launch is found in one sweep (walking up parents launch by launch was quadratic in the depth)."""
+    depth = 60_000
+    events = [annotation(f"optiq/role/r{i}", float(i), 2.0 * (depth - i)) for i in range(depth)]
+    for i in range(1, depth):
+        at = 2.0 * depth - i + 0.5  # after range i ends, inside range i - 1
+        events += [launch(at, i), kernel(at + 1, corr=i)]
+    path = events_file(tmp_path / "nested.json", events)
+    started = time.monotonic()
+    kernels = read_trace(path).kernels.sort_values("correlation")
+    assert time.monotonic() - started < 15
+    assert kernels["role"].tolist() == [f"r{i - 1}" for i in range(1, depth)]

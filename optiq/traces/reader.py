@@ -432,17 +432,26 @@ def _thread_key(pid: np.ndarray, tid: np.ndarray) -> np.ndarray:
     return (np.asarray(pid, np.int64) << 32) | (np.asarray(tid, np.int64) & 0xFFFFFFFF)
 
 
-def _parents(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Parent index of each interval in a nested family sorted by start (-1 for a root)."""
-    parent = np.full(len(starts), -1, np.int64)
+def _innermost_sweep(starts: np.ndarray, ends: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Index of the latest-starting interval (sorted by start, outer first on ties) containing each time, else -1.
+
+    One sweep over the times in order with a stack of open intervals: each is pushed once and popped once (an
+    interval that ended before a time cannot hold a later one), so deep nesting costs nothing extra, where walking
+    parents point by point is quadratic in the depth."""
+    result = np.full(len(t), -1, np.int64)
+    start_of, end_of = starts.tolist(), ends.tolist()
     stack: list[int] = []
-    end_of = ends.tolist()
-    for i, start in enumerate(starts.tolist()):
-        while stack and end_of[stack[-1]] < start:
+    pushed = 0
+    order = np.argsort(t, kind="stable")
+    for point, time in zip(order.tolist(), t[order].tolist()):
+        while pushed < len(start_of) and start_of[pushed] <= time:
+            stack.append(pushed)
+            pushed += 1
+        while stack and end_of[stack[-1]] < time:
             stack.pop()
-        parent[i] = stack[-1] if stack else -1
-        stack.append(i)
-    return parent
+        if stack:
+            result[point] = stack[-1]
+    return result
 
 
 def _innermost(iv_key, iv_start, iv_end, pt_key, pt_time, nested: bool = True) -> np.ndarray:
@@ -460,22 +469,16 @@ def _innermost(iv_key, iv_start, iv_end, pt_key, pt_time, nested: bool = True) -
         lo, hi = np.searchsorted(keys_sorted, key), np.searchsorted(keys_sorted, key, side="right")
         sel = order[lo:hi]
         starts, ends = iv_start[sel], iv_end[sel]
+        pts = np.flatnonzero(pt_key == key)
+        t = pt_time[pts]
         if nested:
-            parent = _parents(starts, ends)
+            idx = _innermost_sweep(starts, ends, t)
         else:  # keep the roots: an interval is a root when it starts after every earlier one ended
             prior_end = np.maximum.accumulate(np.concatenate(([-np.inf], ends[:-1])))
             roots = starts >= prior_end
             sel, starts, ends = sel[roots], starts[roots], ends[roots]
-            parent = np.full(len(sel), -1, np.int64)
-        pts = np.flatnonzero(pt_key == key)
-        t = pt_time[pts]
-        idx = np.searchsorted(starts, t, side="right") - 1
-        while True:
-            outside = idx >= 0
-            outside[outside] = ends[idx[outside]] < t[outside]
-            if not outside.any():
-                break
-            idx[outside] = parent[idx[outside]]
+            idx = np.searchsorted(starts, t, side="right") - 1
+            idx[(idx >= 0) & (ends[np.maximum(idx, 0)] < t)] = -1
         result[pts] = np.where(idx >= 0, sel[np.maximum(idx, 0)], -1)
     return result
 
