@@ -406,3 +406,17 @@ def test_deeply_nested_annotations_cost_linear_time(tmp_path):
     kernels = read_trace(path).kernels.sort_values("correlation")
     assert time.monotonic() - started < 15
     assert kernels["role"].tolist() == [f"r{i - 1}" for i in range(1, depth)]
+
+
+def test_many_threads_cost_linear_time(tmp_path):
+    """30,000 threads, each with a role range and one launch in it: ranges and launches are matched thread by thread
+    through sorted slices (a scan of every launch per thread was quadratic in the threads)."""
+    events = []
+    for tid in range(30_000):
+        events += [{**annotation("optiq/role/mlp", 0.0, 10.0), "tid": tid}, {**launch(5.0, tid), "tid": tid},
+                   kernel(6.0 + tid, corr=tid)]
+    path = events_file(tmp_path / "threads.json", events)
+    started = time.monotonic()
+    kernels = read_trace(path).kernels
+    assert time.monotonic() - started < 15
+    assert (kernels["role"] == "mlp").all() and len(kernels) == 30_000

@@ -432,54 +432,43 @@ def _thread_key(pid: np.ndarray, tid: np.ndarray) -> np.ndarray:
     return (np.asarray(pid, np.int64) << 32) | (np.asarray(tid, np.int64) & 0xFFFFFFFF)
 
 
-def _innermost_sweep(starts: np.ndarray, ends: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Index of the latest-starting interval (sorted by start, outer first on ties) containing each time, else -1.
-
-    One sweep over the times in order with a stack of open intervals: each is pushed once and popped once (an
-    interval that ended before a time cannot hold a later one), so deep nesting costs nothing extra, where walking
-    parents point by point is quadratic in the depth."""
-    result = np.full(len(t), -1, np.int64)
-    start_of, end_of = starts.tolist(), ends.tolist()
-    stack: list[int] = []
-    pushed = 0
-    order = np.argsort(t, kind="stable")
-    for point, time in zip(order.tolist(), t[order].tolist()):
-        while pushed < len(start_of) and start_of[pushed] <= time:
-            stack.append(pushed)
-            pushed += 1
-        while stack and end_of[stack[-1]] < time:
-            stack.pop()
-        if stack:
-            result[point] = stack[-1]
-    return result
-
-
 def _innermost(iv_key, iv_start, iv_end, pt_key, pt_time, nested: bool = True) -> np.ndarray:
     """For each point, the index of the innermost interval of the same key (thread) that contains it, else -1.
 
     Intervals of one key must nest, as record_function ranges and ops on one thread do. With ``nested=False`` only
-    the outermost intervals are searched (no parent walk), which is what finding a launch's top-level op needs.
-    """
+    the outermost intervals are searched, which is what finding a launch's top-level op needs.
+
+    One sweep over the points in (key, time) order with a stack of open intervals: each interval is pushed once and
+    popped once (one that ended before a point cannot hold a later one), so the cost is linear after the sorts
+    however deep the nesting or many the threads (a parent walk per point, or a scan per thread, is quadratic)."""
     result = np.full(len(pt_time), -1, np.int64)
     if not len(iv_start) or not len(pt_time):
         return result
-    order = np.lexsort((-iv_end, iv_start, iv_key))
-    keys_sorted = iv_key[order]
-    for key in np.intersect1d(np.unique(iv_key), np.unique(pt_key)):
-        lo, hi = np.searchsorted(keys_sorted, key), np.searchsorted(keys_sorted, key, side="right")
-        sel = order[lo:hi]
-        starts, ends = iv_start[sel], iv_end[sel]
-        pts = np.flatnonzero(pt_key == key)
-        t = pt_time[pts]
-        if nested:
-            idx = _innermost_sweep(starts, ends, t)
-        else:  # keep the roots: an interval is a root when it starts after every earlier one ended
-            prior_end = np.maximum.accumulate(np.concatenate(([-np.inf], ends[:-1])))
-            roots = starts >= prior_end
-            sel, starts, ends = sel[roots], starts[roots], ends[roots]
-            idx = np.searchsorted(starts, t, side="right") - 1
-            idx[(idx >= 0) & (ends[np.maximum(idx, 0)] < t)] = -1
-        result[pts] = np.where(idx >= 0, sel[np.maximum(idx, 0)], -1)
+    order = np.lexsort((-iv_end, iv_start, iv_key))  # outer first where starts tie
+    if not nested:  # the roots: an interval is one when it starts after every earlier one of its key ended
+        key, end = iv_key[order], iv_end[order]
+        reach = pd.Series(end).groupby(key).cummax().to_numpy()
+        prior_end = np.where(np.r_[False, key[1:] == key[:-1]], np.r_[-np.inf, reach[:-1]], -np.inf)
+        order = order[iv_start[order] >= prior_end]
+    keys, starts, ends = iv_key[order].tolist(), iv_start[order].tolist(), iv_end[order].tolist()
+    points = np.lexsort((pt_time, pt_key))
+    stack: list[int] = []
+    pushed, current = 0, None
+    for point, key, time in zip(points.tolist(), pt_key[points].tolist(), pt_time[points].tolist()):
+        if key != current:
+            stack.clear()
+            current = key
+            while pushed < len(keys) and keys[pushed] < key:
+                pushed += 1
+        while pushed < len(keys) and keys[pushed] == key and starts[pushed] <= time:
+            if not nested:
+                stack.clear()  # roots do not nest: only the latest to start can hold the point
+            stack.append(pushed)
+            pushed += 1
+        while stack and ends[stack[-1]] < time:
+            stack.pop()
+        if stack:
+            result[point] = order[stack[-1]]
     return result
 
 
