@@ -65,7 +65,7 @@ class ReadLimits:
     max_depth: int = 100
     max_token: int = 16 << 20  # bytes in one string or number
     max_events: int | None = None  # None: OPTIQ_MAX_TRACE_EVENTS, else 3 M
-    max_name_bytes: int = 64 << 20  # the distinct names (kernels, ops, markers, threads) kept, together
+    max_name_bytes: int = 16 << 20  # the distinct names (kernels, ops, markers, threads) kept, together
     max_inflation: int = 250  # bytes a compressed byte may inflate to (real traces: under 40), past the first...
     inflation_free: int = 64 << 20  # ...this many bytes inflated: a gzip bomb is refused in seconds, not after GBs
 
