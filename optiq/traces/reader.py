@@ -146,10 +146,11 @@ class _Scan:
 
 
 def _open(path: Path):
+    """The file's bytes, inflated where it is gzip (by its magic number, whatever its name)."""
     raw = open(path, "rb")
     if raw.read(2) == b"\x1f\x8b":
-        raw.seek(0)
-        return gzip.GzipFile(fileobj=raw, mode="rb")
+        raw.close()
+        return gzip.GzipFile(path, mode="rb")  # opened by name, so that closing it closes the file too
     raw.seek(0)
     return raw
 
