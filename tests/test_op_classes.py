@@ -6,6 +6,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from optiq.traces.op_classes import CLASSES, class_of_kernel, class_of_op, inductor_ops, short_kernel_name
 
@@ -151,3 +153,19 @@ def test_inductor_suffixes_are_split_off():
     assert inductor_ops("triton_poi_fused__to_copy_mul_12") == ["_to_copy", "mul"]
     assert inductor_ops("triton_poi_fused_1_2") == []
     assert short_kernel_name("void k<" + "a" * 50 + "Functor>(int)") == "k<" + "a" * 50 + "Functor>"
+
+
+FRAGMENTS = ["sm90_", "tensorop", "Functor", "functor", "_add", "_kernel", "Ops", "triton_poi_fused_", "_1", "mul",
+             "copy", "<", ">", "(", "::", " ", "a", "9", "_", "decode_kernel", "kv", "é", "\n", "execute_", "step["]
+
+
+@given(parts=st.lists(st.tuples(st.sampled_from(FRAGMENTS), st.integers(1, 4000)), min_size=1, max_size=6))
+@settings(deadline=None, derandomize=True, database=None, max_examples=60)
+def test_long_names_of_pattern_fragments_classify_quickly(parts):
+    """Names up to ~100 KB made of long runs of the patterns' own fragments (what makes a backtracking pattern
+    rescan): every function answers, with a declared class, in well under a second."""
+    name = "".join(fragment * repeat for fragment, repeat in parts)[:100_000]
+    started = time.perf_counter()
+    assert class_of_kernel.__wrapped__(name) in CLASSES and class_of_op.__wrapped__(name) in CLASSES
+    assert len(short_kernel_name(name)) <= 60 and isinstance(inductor_ops(name), list)
+    assert time.perf_counter() - started < 1.0, [(fragment, repeat) for fragment, repeat in parts]
