@@ -434,3 +434,20 @@ def test_many_threads_cost_linear_time(tmp_path):
     _, single_s = timed_read(events_file(tmp_path / "single.json", single))
     assert spread_s < 3 * single_s + 1, (spread_s, single_s)
     assert (trace.kernels["role"] == "mlp").all() and len(trace.kernels) == 30_000
+
+
+def test_out_of_memory_while_attributing_is_one_line(tmp_path):
+    """A trace that reads but whose tables do not fit what is left: attribution's MemoryError is the one-line error
+    too (the cap is set after the read, a few MB above what the process then maps)."""
+    events = [kernel(float(i), corr=i, name=f"k{i % 500}") for i in range(200_000)]
+    path = events_file(tmp_path / "big.json", events)
+    code = ("import resource, sys\nfrom optiq.errors import OptiqError\n"
+            "from optiq.traces.attribution import attribute\nfrom optiq.traces.reader import read_trace\n"
+            "trace = read_trace(sys.argv[1])\n"
+            "vm = int(next(l for l in open('/proc/self/status') if l.startswith('VmSize')).split()[1]) << 10\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (vm + (8 << 20),) * 2)\n"
+            "try:\n    attribute([trace], 'kernel')\nexcept OptiqError as exc:\n    print(exc)\n    sys.exit(1)\n")
+    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stdout.strip() == "out of memory attributing the traces (fewer or smaller traces would fit)"

@@ -11,11 +11,13 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import wraps
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from optiq.errors import OptiqError
 from optiq.traces.op_classes import short_kernel_name
 from optiq.traces.reader import Trace
 
@@ -38,6 +40,21 @@ class Attribution:
     notes: list[str] = field(default_factory=list)
 
 
+def _out_of_memory_is_one_line(what: str):
+    """Turn a MemoryError (numpy's or Python's, on a trace the reader let through but the tables cannot hold) into
+    the one-line error every command prints."""
+    def wrap(function):
+        @wraps(function)
+        def guarded(*args, **kwargs):
+            try:
+                return function(*args, **kwargs)
+            except MemoryError:
+                raise OptiqError(f"out of memory {what} (fewer or smaller traces would fit)") from None
+        return guarded
+    return wrap
+
+
+@_out_of_memory_is_one_line("aligning the graph trace with its eager companion")
 def align_graph_with_eager(graph: Trace, eager: Trace) -> int:
     """Align a graph trace's replayed kernels with an eager trace (``_align``) and note on the graph trace how many
     were; returns that count."""
@@ -283,6 +300,7 @@ def attribution_table(frame: pd.DataFrame, by: str = "class", top: int = 3) -> p
     return table.sort_values("gpu_ms_per_step", ascending=False, ignore_index=True)
 
 
+@_out_of_memory_is_one_line("attributing the traces")
 def attribute(traces: list[Trace], by: str = "class", top: int = 3) -> Attribution:
     """The attribution of one trace, or of several (one per rank) taken together."""
     if by not in GROUPINGS:
