@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from optiq.traces.attribution import _busy, align_graph_with_eager, attribute
+from optiq.traces.attribution import _busy_per_group, align_graph_with_eager, attribute
 from optiq.traces.reader import read_trace
 
 DATA = Path(__file__).parent / "data"
@@ -16,11 +16,22 @@ def read(name):
     return read_trace(DATA / f"{name}.json.gz")
 
 
+def busy(ts, dur, start=-np.inf):
+    return _busy_per_group(np.zeros(len(ts), np.int64), ts, dur, np.full(len(ts), start), 1)[0]
+
+
 def test_busy_time_counts_overlap_once():
     ts = np.array([0.0, 1.0, 10.0, 2.0])
     dur = np.array([4.0, 2.0, 2.0, 3.0])
-    assert _busy(ts, dur) == 7.0  # [0, 5) and [10, 12)
-    assert _busy(ts[:1] + 5e12, np.array([1.024])) == 1.024
+    assert busy(ts, dur) == 7.0  # [0, 5) and [10, 12)
+    assert busy(ts[:1] + 5e12, np.array([1.024])) == 1.024
+    assert busy(ts, dur, start=3.0) == 4.0  # [3, 5) and [10, 12): what ran before the start is not the step's
+
+
+def test_busy_time_is_per_group():
+    group = np.array([1, 0, 1, 0])
+    got = _busy_per_group(group, np.array([0.0, 0.0, 1.0, 5.0]), np.array([2.0, 1.0, 2.0, 1.0]), np.zeros(4), 3)
+    assert got.tolist() == [2.0, 3.0, 0.0]
 
 
 def test_class_table_adds_up_to_the_kernel_table():

@@ -2,9 +2,12 @@
 
 import gzip
 import json
+import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from optiq.traces.op_classes import CLASSES, class_of_kernel, class_of_op, inductor_ops, short_kernel_name
 
@@ -111,3 +114,58 @@ def test_moe_classes_are_named_apart_in_the_h200_moe_traces():
     for cls, low in (("grouped_gemm", 15), ("routing", 0.3), ("scatter_gather", 0.5)):
         assert shares[0][cls] > low
         assert abs(shares[0][cls] - shares[1][cls]) < 0.5
+
+
+# Repeated units that made a pattern rescan the rest of the name from every position (a 100 KB "k<aaa..." took 57 s
+# in short_kernel_name, an 80 KB "triton_poi_fused_1_1_..." 43 s), and the fragments of every other pattern.
+HOSTILE_UNITS = ["a", "1_", "sm1_", "functor", "Functor", "decode_kernel", "execute_1", "mul_", "_to_copy", "Ops"]
+HOSTILE_PREFIXES = ["", "void k<", "triton_poi_fused_"]
+
+
+@pytest.mark.parametrize("unit", HOSTILE_UNITS)
+def test_name_patterns_run_in_linear_time(unit):
+    """50 KB names of a repeated unit behind each prefix classify and shorten in a few ms each: every pattern is
+    linear in the name. (Quadratic, these took 1 to 45 s.)"""
+    from optiq.traces.reader import _is_marker
+
+    for prefix in HOSTILE_PREFIXES:
+        name = prefix + unit * (50_000 // len(unit))
+        for classify in (class_of_kernel.__wrapped__, class_of_op.__wrapped__, short_kernel_name, inductor_ops,
+                         _is_marker):
+            started = time.perf_counter()
+            classify(name)
+            assert time.perf_counter() - started < 0.5, (prefix, unit, classify.__name__)
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("sm90_xmma_tensorop_gemm", "gemm"), ("sm80_x\nsm90_y_tensorop", "gemm"), ("sm80_x\ntensorop", "other"),
+    ("decode_kernel_with_kv", "attention"), ("functorish_add", "add"), ("my_functor_x_add y", "add"),
+    ("functor_addx", "elementwise"), ("triton_poi_fused_1_1_1", "elementwise"), ("triton_poi_fused_\nmul", "mul"),
+])
+def test_rewritten_patterns_keep_their_meaning(name, cls):
+    """The linear forms of "A, later on the line B", "a word with functor ending in _add" and Inductor's numeric
+    suffixes classify as the quadratic ones did, line breaks included."""
+    assert class_of_kernel(name) == cls
+
+
+def test_inductor_suffixes_are_split_off():
+    assert inductor_ops("triton_poi_fused_mul_1_2_3") == ["mul"]
+    assert inductor_ops("triton_poi_fused__to_copy_mul_12") == ["_to_copy", "mul"]
+    assert inductor_ops("triton_poi_fused_1_2") == []
+    assert short_kernel_name("void k<" + "a" * 50 + "Functor>(int)") == "k<" + "a" * 50 + "Functor>"
+
+
+FRAGMENTS = ["sm90_", "tensorop", "Functor", "functor", "_add", "_kernel", "Ops", "triton_poi_fused_", "_1", "mul",
+             "copy", "<", ">", "(", "::", " ", "a", "9", "_", "decode_kernel", "kv", "é", "\n", "execute_", "step["]
+
+
+@given(parts=st.lists(st.tuples(st.sampled_from(FRAGMENTS), st.integers(1, 4000)), min_size=1, max_size=6))
+@settings(deadline=None, derandomize=True, database=None, max_examples=60)
+def test_long_names_of_pattern_fragments_classify_quickly(parts):
+    """Names up to ~100 KB made of long runs of the patterns' own fragments (what makes a backtracking pattern
+    rescan): every function answers, with a declared class, in well under a second."""
+    name = "".join(fragment * repeat for fragment, repeat in parts)[:100_000]
+    started = time.perf_counter()
+    assert class_of_kernel.__wrapped__(name) in CLASSES and class_of_op.__wrapped__(name) in CLASSES
+    assert len(short_kernel_name(name)) <= 60 and isinstance(inductor_ops(name), list)
+    assert time.perf_counter() - started < 1.0, [(fragment, repeat) for fragment, repeat in parts]

@@ -1,6 +1,9 @@
 """Fuzz the trace reader: 10,000+ generated and mutated traces, seeded from the real H200 traces in traces/, must each
 read into a Trace or fail with a one-line OptiqError; any other exception is a reader bug.
 
+The last test draws size and depth instead (nesting, long strings and numbers, event and name counts) against small
+ReadLimits, and holds the reader to refusing exactly the documents that break a limit.
+
 Examples are derandomized so CI runs are reproducible; traces stay small (a few hundred events) so the whole file
 runs in about two minutes on two cores.
 """
@@ -10,6 +13,7 @@ import gzip
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from optiq.errors import OptiqError
-from optiq.traces.reader import Trace, read_trace
+from optiq.traces.reader import ReadLimits, Trace, read_trace
 
 TRACES = Path(__file__).parent.parent / "traces"
 FUZZ = settings(deadline=None, derandomize=True, database=None,
@@ -199,3 +203,93 @@ def test_layer_labels_int_refuses_mean_no_layer(tmp_path, label):
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": events}))
     assert read_trace(path).kernels["layer"].tolist() == [-1]
+
+
+# Size and depth: documents that nest, hold long strings and numbers, and many events around small limits (the same
+# checks as the defaults, scaled down so each example is a few kB). The property is exact: the read is refused, for
+# one of the limits the document breaks, if and only if it breaks one.
+SMALL = ReadLimits(max_depth=24, max_token=64, max_events=40, max_name_bytes=200)
+
+
+def hostile_text(longest: int):
+    """Text of brackets, quotes, backslashes and separators (all escaped or counted apart by the reader), its length
+    drawn first so that long texts come as often as short ones."""
+    return st.integers(0, longest).flatmap(
+        lambda size: st.text(st.sampled_from('[]{}"\\ab,:é'), min_size=size, max_size=size))
+
+
+LONG_NUMBER = "__optiq_fuzz_number__"  # the string "LONG_NUMBER000..." is written as the number 1000....5 (a
+# float: yajl refuses integers past int64 as an overflow, and json.dumps writes no float this long)
+
+
+def _write_numbers(data: bytes) -> bytes:
+    return re.sub(rb'"' + LONG_NUMBER.encode() + rb'(0*)"', lambda m: b"1" + m.group(1) + b".5", data)
+
+
+@st.composite
+def nested(draw, levels: int):
+    """A JSON value that nests exactly ``levels`` arrays/objects, with a leaf that may itself be long."""
+    value = draw(st.one_of(st.integers(0, 2 * SMALL.max_token).map(lambda zeros: LONG_NUMBER + "0" * zeros),
+                           hostile_text(2 * SMALL.max_token), st.none()))
+    for _ in range(levels):
+        value = [value] if draw(st.booleans()) else {draw(hostile_text(8)): value}
+    return value
+
+
+def _strings_and_numbers(value):
+    """Every string (keys included) and number in a JSON value, as they are written."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from _strings_and_numbers(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings_and_numbers(item)
+    elif value is not None:
+        yield value
+
+
+@st.composite
+def sized_documents(draw):
+    """(document, the limits it breaks): well-formed kernel events, with a nested value under an ignored key, in an
+    event's args or as a kernel's name, and a number of events around the event limit."""
+    n = draw(st.integers(1, SMALL.max_events + 3))
+    names = draw(st.lists(hostile_text(SMALL.max_token + 4).filter(bool), min_size=1, max_size=6))
+    events = [{"ph": "X", "cat": "kernel", "name": names[i % len(names)], "pid": 0, "tid": 1, "ts": float(i),
+               "dur": 1.0, "args": {"correlation": i}} for i in range(n)]
+    levels = draw(st.integers(0, SMALL.max_depth))
+    value = draw(nested(levels))
+    where = draw(st.sampled_from(["top", "args"]))
+    document = {"traceEvents": events}
+    if where == "top":
+        document["otherData"] = value
+        depth = 1 + levels
+    else:
+        events[draw(st.integers(0, n - 1))]["args"]["extra"] = value
+        depth = 4 + levels
+    tokens = [len(v) - len(LONG_NUMBER) + 3 if v.startswith(LONG_NUMBER) else len(json.dumps(v)) - 2
+              for v in _strings_and_numbers(document) if isinstance(v, str)]
+    broken = {reason for reason, over in (
+        ("deeper than", depth > SMALL.max_depth), ("longer than", max(tokens) > SMALL.max_token),
+        ("events", n > SMALL.max_events),
+        ("distinct names", sum(map(len, set(names[:n]))) > SMALL.max_name_bytes)) if over}
+    return document, broken
+
+
+@given(data=st.data())
+@settings(FUZZ, max_examples=300)
+def test_size_and_depth_are_refused_exactly_at_the_limits(workdir, data):
+    document, broken = data.draw(sized_documents())
+    compress = data.draw(st.booleans())
+    path = workdir / ("sized.json.gz" if compress else "sized.json")
+    data_bytes = _write_numbers(json.dumps(document).encode())
+    path.write_bytes(gzip.compress(data_bytes, mtime=0) if compress else data_bytes)
+    try:
+        trace = read_trace(path, limits=SMALL)
+    except OptiqError as exc:
+        message = str(exc)
+        assert "\n" not in message and broken and "refused" in message, (message, broken)
+        assert any(reason in message for reason in broken), (message, broken)
+    else:
+        assert not broken, broken
+        assert len(trace.kernels) == len(document["traceEvents"])

@@ -8,13 +8,16 @@ graph replay with an eager step, the kernel's name, or nothing) is always report
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import Counter
 from dataclasses import dataclass, field
+from functools import wraps
 from pathlib import Path
-from difflib import SequenceMatcher
 
 import numpy as np
 import pandas as pd
 
+from optiq.errors import OptiqError
 from optiq.traces.op_classes import short_kernel_name
 from optiq.traces.reader import Trace
 
@@ -37,6 +40,21 @@ class Attribution:
     notes: list[str] = field(default_factory=list)
 
 
+def _out_of_memory_is_one_line(what: str):
+    """Turn a MemoryError (numpy's or Python's, on a trace the reader let through but the tables cannot hold) into
+    the one-line error every command prints."""
+    def wrap(function):
+        @wraps(function)
+        def guarded(*args, **kwargs):
+            try:
+                return function(*args, **kwargs)
+            except MemoryError:
+                raise OptiqError(f"out of memory {what} (fewer or smaller traces would fit)") from None
+        return guarded
+    return wrap
+
+
+@_out_of_memory_is_one_line("aligning the graph trace with its eager companion")
 def align_graph_with_eager(graph: Trace, eager: Trace) -> int:
     """Align a graph trace's replayed kernels with an eager trace (``_align``) and note on the graph trace how many
     were; returns that count."""
@@ -49,36 +67,85 @@ def align_graph_with_eager(graph: Trace, eager: Trace) -> int:
 def _align(graph: Trace, eager: Trace) -> int:
     """Give CUDA-graph kernels the op, class, role and layer of their twins in an eager step of the same model and
     batch: the replay runs the same kernels in the same order. The eager reference is its most frequent step
-    sequence; sequences are matched by kernel name (difflib), so a kernel the graph added or dropped just stays
-    unmatched. Returns how many kernels were aligned; they are marked with method "alignment"."""
+    sequence; sequences are matched by kernel name (``_in_order_pairs``), so a kernel the graph added or dropped just
+    stays unmatched. Returns how many kernels were aligned; they are marked with method "alignment"."""
     reference = _reference_step(eager.kernels)
     if reference is None:
         return 0
     ref_names = list(reference["name"].astype(object))
+    ref_linked = (reference["method"] == "linkage").to_numpy()
     graph_rows = graph.kernels[graph.kernels["graph"] & (graph.kernels["step"] >= 0)].sort_values(["step", "ts"])
-    updates: dict[str, list] = {col: [] for col in _INHERITED}
-    targets: list[int] = []
+    targets, twins = [], []
     for sequence, rows in _sequences(graph_rows).items():
-        blocks = SequenceMatcher(None, sequence, ref_names, autojunk=False).get_matching_blocks()
-        for a, b, size in blocks:
-            for offset in range(size):
-                twin = reference.iloc[b + offset]
-                if twin["method"] != "linkage":
-                    continue
-                for index in rows[:, a + offset]:
-                    targets.append(index)
-                    for col in _INHERITED:
-                        updates[col].append(twin[col])
-    if not targets:
+        mine, theirs = _in_order_pairs(sequence, ref_names)
+        keep = ref_linked[theirs]
+        mine, theirs = mine[keep], theirs[keep]
+        targets.append(rows[:, mine].ravel())
+        twins.append(np.tile(theirs, len(rows)))
+    targets = np.concatenate(targets) if targets else np.array([], np.int64)
+    if not len(targets):
         return 0
+    twins = np.concatenate(twins)
     table = graph.kernels
-    for col in ("op", "top_op"):
-        new = {v for v in updates[col] if isinstance(v, str)} - set(table[col].cat.categories)
-        table[col] = table[col].cat.add_categories(sorted(new))
-    for col, values in updates.items():
+    for col in _INHERITED:
+        values = reference[col].to_numpy()[twins]
+        if col in ("op", "top_op"):
+            new = {v for v in values if isinstance(v, str)} - set(table[col].cat.categories)
+            table[col] = table[col].cat.add_categories(sorted(new))
         table.loc[targets, col] = values
     table.loc[targets, "method"] = "alignment"
     return len(targets)
+
+
+def _in_order_pairs(a: tuple, b: list, window: int = 16, confirm: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (i in ``a``, j in ``b``) of equal names, increasing in both: a walk along both that, where they
+    differ, resumes at the nearest equal pair ahead, preferring one the next ``confirm`` names agree with. The
+    candidates are the next occurrence in ``b`` of each of ``a``'s next ``window`` names, and the other way round,
+    so the walk costs O(window log n) a difference and a step of identical sequences costs one comparison a kernel,
+    where difflib's longest-block search is quadratic in the step's length."""
+    where_a, where_b = _positions(a), _positions(b)
+    pairs_a, pairs_b = [], []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] == b[j]:
+            pairs_a.append(i)
+            pairs_b.append(j)
+            i += 1
+            j += 1
+            continue
+        candidates = [(x, _next(where_b, a[i + x], j) - j) for x in range(min(window, len(a) - i))]
+        candidates += [(_next(where_a, b[j + y], i) - i, y) for y in range(min(window, len(b) - j))]
+        best = None
+        for x, y in candidates:
+            if x < 0 or y < 0:
+                continue
+            span = min(confirm, len(a) - i - x, len(b) - j - y)
+            agreed = next((k for k in range(span) if a[i + x + k] != b[j + y + k]), span) == span
+            key = (not agreed, x + y)
+            if best is None or key < best[0]:
+                best = (key, x, y)
+        if best is None:  # nothing in the window recurs on the other side: both kernels differ
+            i, j = i + 1, j + 1
+        else:
+            i, j = i + best[1], j + best[2]
+    return np.array(pairs_a, np.int64), np.array(pairs_b, np.int64)
+
+
+def _positions(names) -> dict:
+    where: dict = {}
+    for position, name in enumerate(names):
+        where.setdefault(name, []).append(position)
+    return where
+
+
+def _next(where: dict, name, start: int) -> int:
+    """The first position of ``name`` at or after ``start``, or -1 when there is none."""
+    found = where.get(name)
+    if found:
+        k = bisect_left(found, start)
+        if k < len(found):
+            return found[k]
+    return -1
 
 
 def _reference_step(kernels: pd.DataFrame) -> pd.DataFrame | None:
@@ -86,62 +153,96 @@ def _reference_step(kernels: pd.DataFrame) -> pd.DataFrame | None:
     in_steps = kernels[(kernels["step"] >= 0) & ~kernels["graph"]].sort_values(["step", "ts"])
     if in_steps.empty:
         return None
-    groups = {step: rows for step, rows in in_steps.groupby("step")}
-    keys = {step: tuple(rows["name"].astype(object)) for step, rows in groups.items()}
-    counts = pd.Series(list(keys.values())).value_counts()
-    best = counts.index[0]
-    return next(groups[step] for step, key in keys.items() if key == best)
+    bounds = _step_bounds(in_steps)
+    names = in_steps["name"].astype(object).to_numpy()
+    keys = [tuple(names[lo:hi]) for lo, hi in bounds]
+    best = Counter(keys).most_common(1)[0][0]
+    lo, hi = bounds[keys.index(best)]
+    return in_steps.iloc[lo:hi]
+
+
+def _step_bounds(rows: pd.DataFrame) -> list[tuple[int, int]]:
+    """(first, end) positions of each step's rows in ``rows``, sorted by step: one pass, however many steps."""
+    cuts = (np.flatnonzero(np.diff(rows["step"].to_numpy())) + 1).tolist()
+    return list(zip([0, *cuts], [*cuts, len(rows)]))
 
 
 def _sequences(rows: pd.DataFrame) -> dict[tuple, np.ndarray]:
-    """Distinct kernel-name sequences of the steps in ``rows``, each with its row labels as [steps, position]."""
+    """Distinct kernel-name sequences of the steps in ``rows`` (sorted by step), each with its row labels as
+    [steps, position]."""
+    names, labels = rows["name"].astype(object).to_numpy(), rows.index.to_numpy()
     found: dict[tuple, list] = {}
-    for _, step_rows in rows.groupby("step"):
-        found.setdefault(tuple(step_rows["name"].astype(object)), []).append(step_rows.index.to_numpy())
+    for lo, hi in _step_bounds(rows) if len(rows) else []:
+        found.setdefault(tuple(names[lo:hi]), []).append(labels[lo:hi])
     return {seq: np.stack(indexes) for seq, indexes in found.items()}
 
 
-def _busy(ts: np.ndarray, dur: np.ndarray) -> float:
-    """Length of the union of kernel intervals: time on several streams at once counts once. Computed as the summed
-    durations less each interval's overlap with those before it, so that without overlap it is exactly their sum
-    (timestamps near 5e12 us would lose the nanoseconds in end - start)."""
-    if not len(ts):
-        return 0.0
-    order = np.argsort(ts, kind="stable")
-    ts, dur = ts[order], dur[order]
-    reach = np.maximum.accumulate(ts + dur)
-    overlap = np.clip(np.minimum(ts[1:] + dur[1:], reach[:-1]) - ts[1:], 0, None)
-    return float(dur.sum() - overlap.sum())
-
-
 def step_stats(trace: Trace) -> pd.DataFrame:
-    """Per step: wall time, GPU busy time (union of kernel intervals), summed kernel time, idle fraction
-    (1 - busy / wall: the launch gaps), kernels, launches.
+    """Per step: wall time, GPU busy time (union of kernel intervals within the wall time), summed kernel time, idle
+    fraction (1 - busy / wall: the launch gaps), kernels, launches.
 
     A step's wall time runs from when both the host has begun it and the GPU has finished the work queued before it,
     to the later of its host end and its last kernel's end. For CPU-bound eager steps that is the host's range; for
     steps the host only enqueues (graph replays run ahead of the GPU) it is the GPU's time on the step, queueing
-    excluded."""
+    excluded. A CPU-only trace has no queue: its wall time is the step's range, and its busy time the ops' self time
+    (several threads at once can fill more than the wall time: idle is then 0, never negative).
+
+    Vectorised over steps (a trace may hold a million): each kernel is placed by its step's row, and per-step
+    sums, extremes and interval unions are taken with bincount and one sort."""
+    steps = trace.steps
+    n = len(steps)
     kernels = trace.kernels[trace.kernels["step"] >= 0]
-    by_step = dict(tuple(kernels.groupby("step")))
-    # When the GPU finished everything that started before a given time (in a step or not, e.g. warm-up work).
-    order = np.argsort(trace.kernels["ts"].to_numpy(), kind="stable")
-    all_ts = trace.kernels["ts"].to_numpy()[order]
-    done_by = np.maximum.accumulate((trace.kernels["ts"] + trace.kernels["dur"]).to_numpy()[order])
-    rows = []
-    for step in trace.steps.itertuples():
-        mine = by_step.get(step.step, kernels.iloc[:0])
-        ts, dur = mine["ts"].to_numpy(), mine["dur"].to_numpy()
-        end = max(step.end, float((ts + dur).max()) if len(ts) else step.end)
-        before = np.searchsorted(all_ts, ts.min(), side="left") if len(ts) else 0
-        gpu_free = float(done_by[before - 1]) if before else float("-inf")
-        wall = end - max(step.start, gpu_free)
-        busy = float(dur.sum()) if trace.cpu_only else _busy(ts, dur)
-        rows.append({"rank": trace.rank, "step": step.step, "marker": step.name, "wall_us": wall, "busy_us": busy,
-                     "kernel_us": float(dur.sum()), "idle_frac": 1 - busy / wall if wall > 0 else 0.0,
-                     "kernels": len(mine), "launches": int(step.launches)})
-    return pd.DataFrame(rows, columns=["rank", "step", "marker", "wall_us", "busy_us", "kernel_us", "idle_frac",
-                                       "kernels", "launches"])
+    step_ids = steps["step"].to_numpy(np.int64)
+    by_id = np.argsort(step_ids, kind="stable")
+    k_step = kernels["step"].to_numpy(np.int64)
+    found = np.minimum(np.searchsorted(step_ids[by_id], k_step), max(n - 1, 0))
+    known = (step_ids[by_id][found] == k_step) if n else np.zeros(len(k_step), bool)
+    row = by_id[found][known]  # each kernel's row in ``steps``
+    ts, dur = kernels["ts"].to_numpy(float)[known], kernels["dur"].to_numpy(float)[known]
+    count = np.bincount(row, minlength=n)
+    kernel_us = np.bincount(row, weights=dur, minlength=n)
+    last_end, first_ts = np.full(n, -np.inf), np.full(n, np.inf)
+    np.maximum.at(last_end, row, ts + dur)
+    np.minimum.at(first_ts, row, ts)
+    end = np.maximum(steps["end"].to_numpy(float), last_end)
+    start = steps["start"].to_numpy(float)
+    if trace.cpu_only:
+        busy = kernel_us
+    else:
+        # When the GPU finished everything that started before a given time (in a step or not, e.g. warm-up work).
+        all_ts = np.sort(trace.kernels["ts"].to_numpy(float), kind="stable")
+        order = np.argsort(trace.kernels["ts"].to_numpy(float), kind="stable")
+        done_by = np.maximum.accumulate((trace.kernels["ts"] + trace.kernels["dur"]).to_numpy(float)[order]) \
+            if len(order) else np.array([])
+        before = np.searchsorted(all_ts, first_ts, side="left")
+        gpu_free = np.where((count > 0) & (before > 0), done_by[np.maximum(before - 1, 0)] if len(done_by) else 0,
+                            -np.inf)
+        start = np.maximum(start, gpu_free)
+        busy = _busy_per_group(row, ts, dur, start[row], n)
+    wall = np.maximum(end - start, 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        idle = np.where(wall > 0, np.maximum(1 - busy / wall, 0.0), 0.0)
+    return pd.DataFrame({"rank": trace.rank, "step": step_ids, "marker": steps["name"].to_numpy(object),
+                         "wall_us": wall, "busy_us": busy, "kernel_us": kernel_us, "idle_frac": idle,
+                         "kernels": count, "launches": steps["launches"].to_numpy(np.int64)},
+                        columns=["rank", "step", "marker", "wall_us", "busy_us", "kernel_us", "idle_frac", "kernels",
+                                 "launches"])
+
+
+def _busy_per_group(group: np.ndarray, ts: np.ndarray, dur: np.ndarray, start: np.ndarray, groups: int) -> np.ndarray:
+    """Per group, the length of the union of its intervals from the group's ``start`` on (a kernel another stream
+    began earlier counts only its part after it): time on several streams at once counts once. Computed as the summed
+    durations less each interval's overlap with those before it, so that without overlap it is exactly their sum
+    (timestamps near 5e12 us would lose the nanoseconds in end - start)."""
+    early = ts < start
+    ts, dur = np.where(early, start, ts), np.where(early, np.clip(ts + dur - start, 0, None), dur)
+    order = np.lexsort((ts, group))
+    group, ts, dur = group[order], ts[order], dur[order]
+    reach = pd.Series(ts + dur).groupby(group).cummax().to_numpy()
+    same = np.r_[False, group[1:] == group[:-1]]
+    before = np.where(same, np.r_[-np.inf, reach[:-1]], -np.inf)
+    overlap = np.clip(np.minimum(ts + dur, before) - ts, 0, None)
+    return np.bincount(group, weights=dur, minlength=groups) - np.bincount(group, weights=overlap, minlength=groups)
 
 
 def weighted_kernels(traces: list[Trace]) -> pd.DataFrame:
@@ -199,6 +300,7 @@ def attribution_table(frame: pd.DataFrame, by: str = "class", top: int = 3) -> p
     return table.sort_values("gpu_ms_per_step", ascending=False, ignore_index=True)
 
 
+@_out_of_memory_is_one_line("attributing the traces")
 def attribute(traces: list[Trace], by: str = "class", top: int = 3) -> Attribution:
     """The attribution of one trace, or of several (one per rank) taken together."""
     if by not in GROUPINGS:

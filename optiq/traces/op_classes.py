@@ -4,6 +4,10 @@ A kernel's class comes from the aten op that launched it when the trace links th
 ATen kernels carry their functor (``direct_copy_kernel_cuda``, ``MulFunctor``), vendor kernels their purpose
 (``nvjet``, ``flash_fwd``, ``rms_norm``), and Inductor kernels (``triton_poi_fused__to_copy_mul_3``) list the aten ops
 they fused. Classification works on distinct names, so it runs once per name, not once per kernel.
+
+Every pattern runs in time linear in the name (names come from traces, and a hostile one can be megabytes): no
+pattern retries an unbounded scan from each start position; "A, later B on the line" is written with an atomic group
+that commits to the line's first A.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ _ATEN = {
 # Kernel (or vendor op) names: the first pattern that matches wins, so specific names precede generic ones.
 _KERNEL_PATTERNS = [(re.compile(p, re.IGNORECASE), c) for p, c in [
     (r"^memcpy|^memset|cudaMemcpy|cudaMemset", "memcpy/memset"),
-    (r"flash|fmha|sdpa|attention|attn|paged|mla_|decode_kernel.*kv|splitkv", "attention"),
+    (r"flash|fmha|sdpa|attention|attn|paged|mla_|(?:\A|(?<=\n))(?>.*?decode_kernel).*kv|splitkv", "attention"),
     (r"vectorized_gather_kernel", "other"),  # ATen's index_select / embedding row gather
     # top-k sorts its k winners with a bitonic sort; packing tokens by expert sorts them with a radix sort (H200 MoE)
     (r"topk|router|routing|bitonicsort", "routing"),
@@ -66,33 +70,47 @@ _KERNEL_PATTERNS = [(re.compile(p, re.IGNORECASE), c) for p, c in [
     (r"catarraybatchedcopy|direct_copy|copy_kernel|index_copy|index_put|_to_copy|copy_device_to_device|"
      r"reshape_and_cache|concat_and_cache|store_kvcache|repeat_interleave|cat_kernel", "copy_"),
     (r"batched|bmm", "bmm"),
-    (r"gemm|gemv|nvjet|cutlass|xmma|cublas|_mm_|matmul|sm\d+_.*tensorop|wgmma|splitk|dot_kernel", "gemm"),
+    (r"gemm|gemv|nvjet|cutlass|xmma|cublas|_mm_|matmul|(?:\A|(?<=\n))(?>.*?sm\d+_).*tensorop|wgmma|splitk|"
+     r"dot_kernel", "gemm"),
     (r"rms_?norm|layer_?norm|group_?norm|batch_?norm|_norm_", "norm"),
     (r"rotary|rope", "rope"),
     (r"argmax|argmin|multinomial|sampl|top_p|top_k_|exponential|distribution", "sampling"),
     (r"silu|gelu|relu|sigmoid|tanh|swiglu|act_and_mul|softplus", "activation"),
     (r"clamp_min|clamp_scalar|clampmin", "clamp_min"),
     (r"mulfunctor|mul_kernel|\bmul\b", "mul"),
-    (r"functor\w*_add\b|addfunctor|add_kernel", "add"),
+    (r"(?<!\w)(?>\w*?functor)\w*_add\b|addfunctor|add_kernel", "add"),  # a word with functor, then _add at its end
     (r"reduce_kernel|reduction|softmax|sum_kernel|mean_kernel|norm_kernel|cub::device(reduce|scan)", "reduction"),
     (r"elementwise|functor|pointwise|unrolled|vectorized|fill|where|compare|pow_|rsqrt|neg_|cos_|sin_|exp_|"
      r"arange|index_elementwise", "elementwise"),
 ]]
 
-_INDUCTOR = re.compile(r"^triton_(?P<kind>[a-z]+)_fused_(?P<ops>.*?)(?:_\d+)*$")
+_INDUCTOR = re.compile(r"triton_(?P<kind>[a-z]+)_fused_(?P<ops>[^\n]*)\n?")
 # Aten op names Inductor writes into fused kernel names; longest first so "_to_copy" wins over "copy".
 _FUSED_OPS = sorted({*_ATEN, "expand", "embedding", "_scaled_dot_product_cudnn_attention", "_unsafe_view"},
                     key=len, reverse=True)
 _FUSED_OP = re.compile("|".join(re.escape(op) for op in _FUSED_OPS))
 
 
+def _inductor(name: str) -> tuple[str, str] | None:
+    """An Inductor kernel name's kind and fused-op list, less the numeric suffixes (``_3``, ``_1_2``) Inductor adds
+    to tell kernels apart: ``triton_poi_fused__to_copy_mul_3`` -> ("poi", "_to_copy_mul"). The suffixes are split
+    off, not matched by a pattern that would rescan them from every position."""
+    match = _INDUCTOR.fullmatch(name)
+    if not match:
+        return None
+    head, *parts = match.group("ops").split("_")
+    while parts and parts[-1].isdecimal():
+        parts.pop()
+    return match.group("kind"), "_".join([head, *parts])
+
+
 def inductor_ops(name: str) -> list[str]:
     """The aten ops an Inductor kernel name lists (``triton_poi_fused__to_copy_mul_3`` -> ["_to_copy", "mul"])."""
-    match = _INDUCTOR.match(name)
-    if not match:
+    found = _inductor(name)
+    if found is None:
         return []
-    return [m.group(0) for m in _FUSED_OP.finditer("_" + match.group("ops") + "_")
-            if _is_whole(m, "_" + match.group("ops") + "_")]
+    text = "_" + found[1] + "_"
+    return [m.group(0) for m in _FUSED_OP.finditer(text) if _is_whole(m, text)]
 
 
 def _is_whole(match: re.Match, text: str) -> bool:
@@ -173,9 +191,9 @@ def class_of_top_op(name: str) -> str | None:
 @lru_cache(maxsize=None)
 def class_of_kernel(name: str) -> str:
     """The class a GPU kernel's name reveals, or "other" when it reveals none."""
-    match = _INDUCTOR.match(name)
-    if match:
-        return _class_of_fused(match.group("kind"), inductor_ops(name))
+    found = _inductor(name)
+    if found is not None:
+        return _class_of_fused(found[0], inductor_ops(name))
     for pattern, cls in _KERNEL_PATTERNS:
         if pattern.search(name):
             return cls
@@ -183,7 +201,22 @@ def class_of_kernel(name: str) -> str:
 
 
 _GENERIC_FUNCTORS = {"BinaryFunctor", "AUnaryFunctor", "BUnaryFunctor", "UnaryFunctor", "gpu_kernel_impl"}
-_FUNCTOR = re.compile(r"[A-Za-z]\w*?(?:Functor\w*|Ops|_kernel_cuda|_kernel_impl|_cuda_out|_kernel)\b")
+_WORD = re.compile(r"\w+")
+_FIRST_LETTER = re.compile(r"[A-Za-z]")
+_FUNCTOR_ENDINGS = ("Ops", "_kernel_cuda", "_kernel_impl", "_cuda_out", "_kernel")
+
+
+def _functors(text: str):
+    """The functor-like words of a signature, from each word's first letter on: those that hold "Functor" after that
+    letter or end in a kernel suffix (``MulFunctor``, ``clamp_min_scalar_kernel_impl``). Word by word, so a long name
+    is scanned once; a pattern with a lazy ``\\w*?`` would rescan each word from every letter in it."""
+    for word in _WORD.findall(text):
+        letter = _FIRST_LETTER.search(word)
+        if letter is None:
+            continue
+        rest = word[letter.start() + 1:]
+        if "Functor" in rest or rest.endswith(_FUNCTOR_ENDINGS):
+            yield word[letter.start():]
 
 
 def short_kernel_name(name: str, width: int = 60) -> str:
@@ -192,6 +225,6 @@ def short_kernel_name(name: str, width: int = 60) -> str:
     text = name.removeprefix("void ").replace("(anonymous namespace)::", "")
     head = re.split(r"[<(]", text, maxsplit=1)[0].split("::")[-1]
     rest = text[len(text.split("<", 1)[0]):] if "<" in text else ""
-    functor = next((m.group(0) for m in _FUNCTOR.finditer(rest) if m.group(0) not in _GENERIC_FUNCTORS), None)
+    functor = next((word for word in _functors(rest) if word not in _GENERIC_FUNCTORS), None)
     short = f"{head}<{functor}>" if functor else head
     return short if len(short) <= width else short[: width - 1] + "…"

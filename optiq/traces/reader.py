@@ -12,6 +12,11 @@ Events may come in any order, so linkage and enclosure are resolved after the pa
 - step: ``optiq/step/<n>`` ranges, else vLLM (``execute_context_..._generation_...``) or SGLang (``step[DECODE bs=N]``)
   markers, else the whole trace is one step (and the table says so).
 
+Hostile input is bounded before it costs memory or time (``ReadLimits``): the byte stream is checked, chunk by chunk
+and before ijson sees it, for nesting depth (ijson keeps the path of every open container, quadratic in the depth) and
+for strings and numbers longer than a limit (buffered whole; yajl crashes on a number of a few hundred MB); events,
+and the text of the distinct names kept, are counted. An event repeated verbatim is counted once.
+
 A GPU activity's ``ts`` and ``dur`` are its own time: from the end of the activities before it on its stream, where
 that is later than its start (a kernel launched with programmatic dependent launch starts waiting before its
 predecessor ends). A trace without GPU activity (a CPU-only profile) gives a table of CPU ops with their self time
@@ -21,10 +26,12 @@ instead.
 from __future__ import annotations
 
 import gzip
+import os
 import re
+import stat
 import zlib
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import ijson
@@ -46,6 +53,39 @@ GPU_KINDS = {"kernel": 0, "gpu_memcpy": 1, "gpu_memset": 2}
 KIND_NAMES = ("kernel", "memcpy", "memset", "cpu_op")
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
 GRAPH_LAUNCH = "cudaGraphLaunch"
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """How much of a trace optiq will read. Real traces sit below each: Kineto nests 6 deep, its longest names are C++
+    signatures of a few kB, optiq's own traces hold well under a million events (a 1 GB vLLM one, about 4 M: set
+    OPTIQ_MAX_TRACE_EVENTS for it). ``max_events`` bounds the time (ijson parses ~300 k events a second, checks
+    included, so 3 M is ~10 s); the others bound memory."""
+
+    max_depth: int = 100
+    max_token: int = 16 << 20  # bytes in one string or number
+    max_events: int | None = None  # None: OPTIQ_MAX_TRACE_EVENTS, else 3 M
+    max_name_bytes: int = 16 << 20  # the distinct names (kernels, ops, markers, threads) kept, together
+    max_inflation: int = 250  # bytes a compressed byte may inflate to (real traces: under 40), past the first...
+    inflation_free: int = 64 << 20  # ...this many bytes inflated: a gzip bomb is refused in seconds, not after GBs
+
+    def resolved(self) -> "ReadLimits":
+        """These limits with ``max_events`` read from the environment where it is None."""
+        if self.max_events is not None:
+            return self
+        text = os.environ.get(EVENTS_VARIABLE)
+        if text is None:
+            return replace(self, max_events=3_000_000)
+        if not text.strip().isdecimal() or int(text) < 1:
+            raise OptiqError(f"{EVENTS_VARIABLE} must be a positive whole number of events, not {text!r}")
+        return replace(self, max_events=int(text))
+
+
+EVENTS_VARIABLE = "OPTIQ_MAX_TRACE_EVENTS"
+
+
+class _Refused(Exception):
+    """A limit of ``ReadLimits`` was reached; the message says which."""
 
 
 @dataclass
@@ -76,7 +116,9 @@ class _Columns:
 class _Scan:
     """What one pass over the events keeps."""
 
-    def __init__(self):
+    def __init__(self, limits: ReadLimits):
+        self.limits = limits
+        self.name_bytes = 0
         self.names: dict[str, int] = {}  # every kept name, interned to a code
         self.threads: dict[object, int] = {}  # string pids/tids -> integer codes
         self.gpu = _Columns(name="l", kind="b", ts="d", dur="d", device="l", stream="l", corr="q", ext="q")
@@ -85,26 +127,131 @@ class _Scan:
         self.marks: list[tuple[str, float, float, int, int]] = []  # name, ts, end, pid, tid
         self.events = 0
         self.no_duration = 0  # GPU events without a duration or with a negative one: left out
+        self.negative_ranges = 0  # annotations with a negative duration: taken as instants
+        self.repeated = 0  # events identical to one already read: counted once
+
+    def keep(self, text) -> None:
+        """Account for one more distinct name kept (only strings are names), within ``max_name_bytes``."""
+        _check_name(text)
+        self.name_bytes += len(text)
+        if self.name_bytes > self.limits.max_name_bytes:
+            raise _Refused(f"its distinct names hold over {self.limits.max_name_bytes:,} characters (the limit)")
+
+    def drop(self, columns: "_Columns", repeated: np.ndarray) -> None:
+        """Remove the rows flagged in ``repeated`` from ``columns``, counting them."""
+        keep = ~repeated
+        for name in vars(columns):
+            setattr(columns, name, array(getattr(columns, name).typecode, columns.numpy(name)[keep].tobytes()))
+        self.repeated += int(repeated.sum())
 
 
 def _open(path: Path):
+    """The file's bytes, inflated where it is gzip (by its magic number, whatever its name)."""
     raw = open(path, "rb")
     if raw.read(2) == b"\x1f\x8b":
-        raw.seek(0)
-        return gzip.GzipFile(fileobj=raw, mode="rb")
+        raw.close()
+        return gzip.GzipFile(path, mode="rb")  # opened by name, so that closing it closes the file too
     raw.seek(0)
     return raw
+
+
+_NUMBER_BYTES = b"0123456789+-.eE"
+
+
+class _Bounded:
+    """A byte stream that refuses, before the JSON parser sees them, nesting deeper than ``max_depth``, strings or
+    numbers longer than ``max_token`` and gzip that inflates more than ``max_inflation`` times. Reads are at most
+    ``max_token`` bytes, so a longer token spans chunks and is measured across them; depth counts brackets outside
+    strings (numpy, ~3 ms a MB)."""
+
+    def __init__(self, raw, limits: ReadLimits):
+        self.raw, self.limits = raw, limits
+        self.compressed = raw.fileobj if isinstance(raw, gzip.GzipFile) else None
+        self.inflated = 0
+        self.depth = 0
+        self.in_string = False
+        self.backslashes = 0  # the run of backslashes the last chunk ended with (inside a string)
+        self.run = 0  # length of the string or number the last chunk ended in
+
+    def read(self, size: int = -1) -> bytes:
+        size = self.limits.max_token if size is None or size < 0 else min(size, self.limits.max_token)
+        chunk = self.raw.read(size)
+        if chunk:
+            self._check(chunk)
+            self.inflated += len(chunk)
+            if self.compressed is not None and self.inflated > self.limits.inflation_free and \
+                    self.inflated > self.limits.max_inflation * self.compressed.tell():
+                raise _Refused(f"its gzip inflates over {self.limits.max_inflation} times (a decompression bomb; "
+                               "real traces inflate under 40 times)")
+        return chunk
+
+    def _quotes(self, a: np.ndarray, chunk: bytes) -> np.ndarray:
+        """Where the chunk has an unescaped double quote: one after an even run of backslashes (counting the run the
+        last chunk ended with)."""
+        quote = a == 0x22
+        carried, self.backslashes = self.backslashes, 0
+        if not carried and b"\\" not in chunk:
+            return quote
+        at = np.flatnonzero(quote)
+        escapes = np.where(at == 0, carried, 0)
+        slash = np.flatnonzero(a == 0x5C)
+        if len(slash):
+            new_run = np.r_[True, np.diff(slash) != 1]
+            run_start = slash[new_run][np.cumsum(new_run) - 1]  # of the run each backslash belongs to
+            carry = np.where(run_start == 0, carried, 0)  # a run from the chunk's start continues the last one's
+            i = np.minimum(np.searchsorted(slash, at - 1), len(slash) - 1)
+            escapes += np.where(slash[i] == at - 1, at - run_start[i] + carry[i], 0)
+            if slash[-1] == len(a) - 1:
+                self.backslashes = int(len(a) - run_start[-1] + carry[-1])
+        quote[at[escapes % 2 == 1]] = False
+        return quote
+
+    def _check(self, chunk: bytes) -> None:
+        a = np.frombuffer(chunk, np.uint8)
+        quote = self._quotes(a, chunk)
+        was_in_string = self.in_string
+        inside = (np.cumsum(quote, dtype=np.uint8) & 1).astype(bool) ^ was_in_string
+        folded = a | 0x20  # "[" and "{" become 0x7B, "]" and "}" 0x7D
+        brackets = np.flatnonzero((folded == 0x7B) | (folded == 0x7D))
+        brackets = brackets[~inside[brackets]]
+        if len(brackets):
+            depth = self.depth + np.cumsum(0x7C - folded[brackets].astype(np.int64))
+            if depth.max() > self.limits.max_depth:
+                raise _Refused(f"it nests arrays/objects deeper than {self.limits.max_depth} levels")
+            self.depth = int(depth[-1])
+        self.in_string = bool(inside[-1]) if len(a) else was_in_string
+        self._measure_run(chunk, quote, was_in_string)
+
+    def _measure_run(self, chunk: bytes, quote: np.ndarray, was_in_string: bool) -> None:
+        """Lengthen or end the string or number the last chunk ended in, and start the one this chunk ends in."""
+        has_quote = bool(quote.any())
+        if was_in_string:
+            head = int(quote.argmax()) if has_quote else len(chunk)
+            what = "string"
+        else:
+            head = len(chunk) - len(chunk.lstrip(_NUMBER_BYTES))
+            what = "number"
+        self.run += head
+        if self.run > self.limits.max_token:
+            raise _Refused(f"it holds a {what} longer than {self.limits.max_token:,} bytes")
+        if head == len(chunk):
+            return
+        if self.in_string:
+            last = len(quote) - 1 - int(quote[::-1].argmax())
+            self.run = len(chunk) - last - 1
+        else:
+            self.run = len(chunk) - len(chunk.rstrip(_NUMBER_BYTES))
 
 
 def _is_marker(name: str) -> bool:
     return name.startswith("optiq/") or VLLM_STEP.search(name) is not None or SGLANG_STEP.match(name) is not None
 
 
-def _scan(stream) -> _Scan:
+def _scan(stream, limits: ReadLimits) -> _Scan:
     """The one pass. The loop body is the hot path of a 1 GB trace: local names, one dict lookup per name, and
     integer pids/tids stored as they are (only string ones go through the intern table)."""
-    scan = _Scan()
-    names, threads = scan.names, scan.threads
+    scan = _Scan(limits)
+    names, threads, keep = scan.names, scan.threads, scan.keep
     g, o, la = scan.gpu, scan.ops, scan.launches
     g_name, g_kind, g_ts, g_dur = g.name.append, g.kind.append, g.ts.append, g.dur.append
     g_dev, g_stream, g_corr, g_ext = g.device.append, g.stream.append, g.corr.append, g.ext.append
@@ -114,18 +261,25 @@ def _scan(stream) -> _Scan:
     marks = scan.marks
     op_codes: dict[str, int] = {}  # cpu_op name -> code, or -1 - code for a step/layer/role marker
     launch_codes: dict[str, int] = {}  # runtime call name -> code, or -1 when it launches nothing
-    count = 0
-    for ev in _ijson.items(stream, "traceEvents.item", use_float=True):
+    marker_names: dict[str, str] = {}  # one string per distinct marker name (ijson makes a new one per event)
+    count, max_events, previous = 0, limits.max_events, object()  # equal to no event
+    for ev in _ijson.items(stream, "traceEvents.item", use_float=True, buf_size=1 << 20):
         count += 1
+        if count > max_events:
+            raise _Refused(f"it holds more than {max_events:,} events (the limit; {EVENTS_VARIABLE} raises it)")
+        if ev == previous:  # an exporter that wrote one event many times (events repeated apart: see _dedupe)
+            scan.repeated += 1
+            continue
+        previous = ev
         cat = ev.get("cat")
         if cat == "cpu_op":
             name = ev["name"]
             code = op_codes.get(name)
             if code is None:
-                _check_name(name)
+                keep(name)
                 code = names.setdefault(name, len(names))
                 code = op_codes[name] = -1 - code if _is_marker(name) else code
-            pid, tid = _thread(ev, threads)
+            pid, tid = _thread(ev, threads, keep)
             ts, dur = ev["ts"], ev.get("dur", 0.0)
             if dur < 0:  # a clock that stepped back: the op took no time
                 dur = 0.0
@@ -146,7 +300,7 @@ def _scan(stream) -> _Scan:
             name = ev["name"]
             code = names.get(name)
             if code is None:
-                _check_name(name)
+                keep(name)
                 code = names[name] = len(names)
             args = ev.get("args") or {}
             g_name(code)
@@ -161,12 +315,12 @@ def _scan(stream) -> _Scan:
             name = ev["name"]
             code = launch_codes.get(name)
             if code is None:
-                _check_name(name)
+                keep(name)
                 launches = any(word in name for word in ("Launch", "Memcpy", "Memset"))
                 code = launch_codes[name] = names.setdefault(name, len(names)) if launches else -1
             if code < 0:
                 continue
-            pid, tid = _thread(ev, threads)
+            pid, tid = _thread(ev, threads, keep)
             l_name(code)
             l_ts(ev["ts"])
             l_pid(pid)
@@ -176,10 +330,46 @@ def _scan(stream) -> _Scan:
             name = ev["name"]
             _check_name(name)
             if _is_marker(name):
-                pid, tid = _thread(ev, threads)
-                marks.append((name, ev["ts"], ev["ts"] + ev.get("dur", 0.0), pid, tid))
+                if name not in marker_names:
+                    keep(name)
+                    marker_names[name] = name
+                name = marker_names[name]
+                pid, tid = _thread(ev, threads, keep)
+                ts, dur = ev["ts"], ev.get("dur", 0.0)
+                if dur < 0:  # a range that ends before it starts: an instant, and said
+                    scan.negative_ranges += 1
+                    dur = 0.0
+                marks.append((name, ts, ts + dur, pid, tid))
     scan.events = count
     return scan
+
+
+def _repeated_rows(columns: _Columns) -> np.ndarray:
+    """Rows equal in every column to an earlier row: the same event written twice (some exporters repeat the whole
+    list). Sorting keeps it O(n log n) in time and a few bytes a row in memory."""
+    values = [columns.numpy(name) for name in vars(columns)]
+    values = [v.view(np.int64) if v.dtype == np.float64 else v for v in values]  # NaN equals itself bitwise
+    repeated = np.zeros(len(values[0]), bool)
+    if len(repeated) < 2:
+        return repeated
+    order = np.lexsort(values)
+    same = np.ones(len(order) - 1, bool)
+    for v in values:
+        sorted_v = v[order]
+        same &= sorted_v[1:] == sorted_v[:-1]
+    repeated[order[1:][same]] = True  # lexsort is stable: the first of equal rows stays
+    return repeated
+
+
+def _dedupe(scan: _Scan) -> None:
+    """Count each distinct GPU activity, op, launch and marker once."""
+    for columns in (scan.gpu, scan.ops, scan.launches):
+        repeated = _repeated_rows(columns)
+        if repeated.any():
+            scan.drop(columns, repeated)
+    distinct = list(dict.fromkeys(scan.marks))
+    scan.repeated += len(scan.marks) - len(distinct)
+    scan.marks = distinct
 
 
 def _check_name(name) -> None:
@@ -188,23 +378,41 @@ def _check_name(name) -> None:
         raise TypeError(f"name {repr(name)[:60]} is not a string")
 
 
-def _thread(ev: dict, threads: dict) -> tuple[int, int]:
+def _thread(ev: dict, threads: dict, keep) -> tuple[int, int]:
     """pid and tid as integers; a string one (some exporters name threads) gets a code far above any real id."""
     pid, tid = ev.get("pid", -1), ev.get("tid", -1)
     if pid.__class__ is not int:
-        pid = threads.setdefault(pid, (1 << 30) + len(threads))
+        pid = threads.get(pid) or _thread_code(pid, threads, keep)
     if tid.__class__ is not int:
-        tid = threads.setdefault(tid, (1 << 30) + len(threads))
+        tid = threads.get(tid) or _thread_code(tid, threads, keep)
     return pid, tid
 
 
-def _has_trace_events(path: Path) -> bool:
-    """Whether the top-level object has a ``traceEvents`` key (asked only when the pass found no event)."""
-    with _open(path) as stream:
-        for prefix, event, value in _ijson.parse(stream):
+def _thread_code(value, threads: dict, keep) -> int:
+    if value.__class__ is str:
+        keep(value)
+    return threads.setdefault(value, (1 << 30) + len(threads))
+
+
+_JSON_KINDS = {"start_map": "an object", "start_array": "an array", "string": "a string", "number": "a number",
+               "boolean": "a boolean", "null": "null"}
+
+
+def _without_events(path: Path, limits: ReadLimits) -> str:
+    """What the file holds instead of events (asked only when the pass found none): no ``traceEvents`` key, an empty
+    list, or a ``traceEvents`` (or a top level) of another JSON kind."""
+    with _open(path) as raw:
+        events = iter(_ijson.parse(_Bounded(raw, limits)))
+        _, top, _ = next(events)
+        if top != "start_map":
+            return f"the top level is {_JSON_KINDS.get(top, top)}, not an object with traceEvents"
+        for prefix, event, value in events:
             if prefix == "" and event == "map_key" and value == "traceEvents":
-                return True
-    return False
+                _, kind, _ = next(events)
+                if kind == "start_array":
+                    return "an empty traceEvents list"
+                return f"traceEvents is {_JSON_KINDS.get(kind, kind)}, not a list of events"
+    return "no traceEvents"
 
 
 def _rank_of(path: Path, fallback: int) -> int:
@@ -225,51 +433,43 @@ def _thread_key(pid: np.ndarray, tid: np.ndarray) -> np.ndarray:
     return (np.asarray(pid, np.int64) << 32) | (np.asarray(tid, np.int64) & 0xFFFFFFFF)
 
 
-def _parents(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Parent index of each interval in a nested family sorted by start (-1 for a root)."""
-    parent = np.full(len(starts), -1, np.int64)
-    stack: list[int] = []
-    end_of = ends.tolist()
-    for i, start in enumerate(starts.tolist()):
-        while stack and end_of[stack[-1]] < start:
-            stack.pop()
-        parent[i] = stack[-1] if stack else -1
-        stack.append(i)
-    return parent
-
-
 def _innermost(iv_key, iv_start, iv_end, pt_key, pt_time, nested: bool = True) -> np.ndarray:
     """For each point, the index of the innermost interval of the same key (thread) that contains it, else -1.
 
     Intervals of one key must nest, as record_function ranges and ops on one thread do. With ``nested=False`` only
-    the outermost intervals are searched (no parent walk), which is what finding a launch's top-level op needs.
-    """
+    the outermost intervals are searched, which is what finding a launch's top-level op needs.
+
+    One sweep over the points in (key, time) order with a stack of open intervals: each interval is pushed once and
+    popped once (one that ended before a point cannot hold a later one), so the cost is linear after the sorts
+    however deep the nesting or many the threads (a parent walk per point, or a scan per thread, is quadratic)."""
     result = np.full(len(pt_time), -1, np.int64)
     if not len(iv_start) or not len(pt_time):
         return result
-    order = np.lexsort((-iv_end, iv_start, iv_key))
-    keys_sorted = iv_key[order]
-    for key in np.intersect1d(np.unique(iv_key), np.unique(pt_key)):
-        lo, hi = np.searchsorted(keys_sorted, key), np.searchsorted(keys_sorted, key, side="right")
-        sel = order[lo:hi]
-        starts, ends = iv_start[sel], iv_end[sel]
-        if nested:
-            parent = _parents(starts, ends)
-        else:  # keep the roots: an interval is a root when it starts after every earlier one ended
-            prior_end = np.maximum.accumulate(np.concatenate(([-np.inf], ends[:-1])))
-            roots = starts >= prior_end
-            sel, starts, ends = sel[roots], starts[roots], ends[roots]
-            parent = np.full(len(sel), -1, np.int64)
-        pts = np.flatnonzero(pt_key == key)
-        t = pt_time[pts]
-        idx = np.searchsorted(starts, t, side="right") - 1
-        while True:
-            outside = idx >= 0
-            outside[outside] = ends[idx[outside]] < t[outside]
-            if not outside.any():
-                break
-            idx[outside] = parent[idx[outside]]
-        result[pts] = np.where(idx >= 0, sel[np.maximum(idx, 0)], -1)
+    order = np.lexsort((-iv_end, iv_start, iv_key))  # outer first where starts tie
+    if not nested:  # the roots: an interval is one when it starts after every earlier one of its key ended
+        key, end = iv_key[order], iv_end[order]
+        reach = pd.Series(end).groupby(key).cummax().to_numpy()
+        prior_end = np.where(np.r_[False, key[1:] == key[:-1]], np.r_[-np.inf, reach[:-1]], -np.inf)
+        order = order[iv_start[order] >= prior_end]
+    keys, starts, ends = iv_key[order].tolist(), iv_start[order].tolist(), iv_end[order].tolist()
+    points = np.lexsort((pt_time, pt_key))
+    stack: list[int] = []
+    pushed, current = 0, None
+    for point, key, time in zip(points.tolist(), pt_key[points].tolist(), pt_time[points].tolist()):
+        if key != current:
+            stack.clear()
+            current = key
+            while pushed < len(keys) and keys[pushed] < key:
+                pushed += 1
+        while pushed < len(keys) and keys[pushed] == key and starts[pushed] <= time:
+            if not nested:
+                stack.clear()  # roots do not nest: only the latest to start can hold the point
+            stack.append(pushed)
+            pushed += 1
+        while stack and ends[stack[-1]] < time:
+            stack.pop()
+        if stack:
+            result[point] = order[stack[-1]]
     return result
 
 
@@ -460,39 +660,76 @@ def _launch_counts(scan: _Scan, steps: pd.DataFrame) -> np.ndarray:
     return np.bincount(idx[idx >= 0], minlength=len(steps))
 
 
-def read_trace(path: str | Path, rank: int | None = None) -> Trace:
-    """Read one trace file into its kernel table and steps; any malformed input raises a one-line OptiqError."""
-    path = Path(path)
-    if not path.is_file():
-        raise OptiqError(f"{path}: no such trace file")
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _check_regular_file(path: Path) -> None:
+    """Refuse, without opening it (opening a FIFO blocks until a writer comes), anything but a readable regular
+    file."""
     try:
-        with _open(path) as stream:
-            scan = _scan(stream)
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise OptiqError(f"{path}: no such trace file") from None
+    except OSError as exc:
+        raise OptiqError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    for test, what in _NOT_REGULAR:
+        if test(mode):
+            raise OptiqError(f"{path}: {what}, not a trace file")
+    if not stat.S_ISREG(mode):
+        raise OptiqError(f"{path}: not a regular file, not a trace file")
+
+
+def read_trace(path: str | Path, rank: int | None = None, limits: ReadLimits = ReadLimits()) -> Trace:
+    """Read one trace file into its kernel table and steps; any malformed or oversized input raises a one-line
+    OptiqError."""
+    path = Path(path)
+    limits = limits.resolved()
+    _check_regular_file(path)
+    try:
+        return _read(path, rank, limits)
+    except _Refused as exc:
+        raise OptiqError(f"{path}: refused: {exc}") from None
+    except MemoryError:
+        raise OptiqError(f"{path}: out of memory reading it (a smaller trace, or fewer steps, would fit)") from None
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise OptiqError(f"{path}: truncated or corrupt gzip ({exc})") from None
     except (ijson.JSONError, ijson.IncompleteJSONError, UnicodeDecodeError) as exc:
         raise OptiqError(f"{path}: not a JSON trace ({str(exc).splitlines()[0][:120]})") from None
     except KeyError as exc:
-        raise OptiqError(f"{path}: trace event without a {exc} field") from None
+        raise OptiqError(f"{path}: trace event without a {' '.join(str(exc).split())[:80]} field") from None
     except (TypeError, AttributeError, ValueError, OverflowError) as exc:  # a field (or the event) of the wrong type
         raise OptiqError(f"{path}: malformed trace event ({' '.join(str(exc).split())[:160]})") from None
+    except OSError as exc:  # a read error of the disk, or a file that went away
+        raise OptiqError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def _read(path: Path, rank: int | None, limits: ReadLimits) -> Trace:
+    with _open(path) as raw:
+        scan = _scan(_Bounded(raw, limits), limits)
     if not scan.events:
-        what = "an empty traceEvents list" if _has_trace_events(path) else "no traceEvents"
-        raise OptiqError(f"{path}: {what}; not a Kineto/torch.profiler trace")
+        raise OptiqError(f"{path}: {_without_events(path, limits)}; not a Kineto/torch.profiler trace")
+    _dedupe(scan)
     names = list(scan.names)
     steps, step_source, notes = _steps(scan)
     if scan.no_duration:
         notes.append(f"{scan.no_duration} GPU event(s) without a duration or with a negative one left out")
+    if scan.negative_ranges:
+        notes.append(f"{scan.negative_ranges} annotation(s) with a negative duration taken as instants")
+    if scan.repeated:
+        notes.append(f"{scan.repeated} event(s) repeated verbatim counted once")
     cpu_only = not len(scan.gpu.ts)
     if cpu_only:
         if not len(scan.ops.ts):
             raise OptiqError(f"{path}: no GPU events (kernels, memcpy, memset) and no CPU ops to attribute")
         notes.insert(0, "no GPU events: attributing CPU op self time instead")
         kernels = _cpu_table(scan, steps, names)
+        ends = scan.ops.numpy("ts") + scan.ops.numpy("dur")  # an op's whole range, not its self time
     else:
         kernels = _gpu_table(scan, steps, names)
+        ends = (kernels["ts"] + kernels["dur"]).to_numpy()
     if step_source == "whole trace":
-        first, last = kernels["ts"].min(), (kernels["ts"] + kernels["dur"]).max()
+        first, last = kernels["ts"].min(), ends.max()
         steps = pd.DataFrame([(0, "whole trace", first, last, -1)], columns=["step", "name", "start", "end", "pid"])
         kernels["step"] = 0
         launches = np.array([len(scan.launches.ts)])
