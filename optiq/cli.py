@@ -119,4 +119,11 @@ def main() -> None:
     # Past a file size limit (ulimit -f) a write fails with EFBIG, reported as one line, instead of SIGXFSZ
     # killing the process with a core dump and the run left "running".
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    cli(prog_name="optiq")
+    try:
+        cli(prog_name="optiq")
+    finally:
+        # What the command had to write is written. Python's shutdown (seconds, with torch loaded) puts signals it
+        # handles back to their default actions, under which a late Ctrl-C or SIGTERM would end the process killed
+        # by it (exit 143, say) instead of with the code the command chose; ignored ones stay ignored.
+        for stop in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(stop, signal.SIG_IGN)

@@ -4,6 +4,7 @@ Commands import this module and ``views``, never one another."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -23,7 +24,7 @@ from optiq.text import visible
 # codes: what they print holds names from traces, recipes and paths (`[/foo]`, `gemm[bs=4]`, `:cat:`), shown as
 # they are; what could still reach the terminal raw, its control characters, goes through ``visible`` first.
 out = Console(width=None if sys.stdout.isatty() else 160, markup=False, emoji=False)
-err = Console(stderr=True, markup=False, emoji=False)
+err = Console(stderr=True, markup=False, emoji=False, soft_wrap=True)  # a note stays one line, however long
 
 # The largest value a size flag takes (a 32-bit signed int): far beyond any batch or KV cache a device holds, so a
 # real request is never refused, while a larger one would overflow the C integers of torch's shape arithmetic
@@ -133,12 +134,20 @@ def measurement_options(compare_help: str, peers: tuple[str, ...] = ("compile",)
     return decorate
 
 
+def _a_number(ctx, param, value):
+    """A float flag's value, not NaN (which every range lets through: it compares false with both ends)."""
+    if math.isnan(value):
+        raise click.BadParameter("nan is not a number")
+    return value
+
+
 def gate_options(func):
     """--gate-steps, --min-share and --mutants, shared by the commands that fuse (apply-fusion, bench --recipes)."""
     func = click.option("--mutants", is_flag=True,
                         help="First gate every mutant of each chosen recipe's kernel, alone, and record the mutation "
                              "score (as `optiq recipes verify --mutants`).")(func)
     func = click.option("--min-share", default=0.25, show_default=True, type=click.FloatRange(0, 100),
+                        callback=_a_number,
                         help="auto: take proposals that cover at least this % of the step at some concurrency (of "
                              "the unpatched step: llama-3.1-8b's argmax is 0.45% of it, 0.8% of the fused one).")(func)
     return click.option("--gate-steps", default=64, show_default=True, type=SIZE,
