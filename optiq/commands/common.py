@@ -199,17 +199,20 @@ def run_ending(run, what: Callable[[], str], progress: Callable[[], dict],
 
 def model_options(func):
     """--model, --dtype and --device, shared by every command that loads a model."""
-    func = click.option("--device", default=None, help="cuda or cpu (default: cuda when present).")(func)
-    func = click.option("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")(func)
+    func = click.option("--device", default=None, callback=_not_blank,
+                        help="cuda or cpu (default: cuda when present).")(func)
+    func = click.option("--dtype", default=None, callback=_not_blank,
+                        help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")(func)
     func = click.option("--model", "model_spec", default=None, callback=_not_blank,
                         help="A preset name (see `optiq bench --help`) or a local checkpoint directory.")(func)
     return func
 
 
 def _not_blank(ctx, param, value):
-    """An empty --model (an unset shell variable) is a mistake, not a request for the default model."""
+    """An empty --model, --dtype or --device (an unset shell variable) is a mistake, not a request for the
+    default."""
     if value is not None and not value.strip():
-        raise OptiqError(f"{param.opts[0]} is empty: give a preset name or a checkpoint directory")
+        raise OptiqError(f"{param.opts[0]} is empty; leave the flag out for its default")
     return value
 
 
