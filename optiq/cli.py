@@ -8,6 +8,7 @@ import errno
 import importlib
 import os
 import signal
+import sys
 
 from contextlib import suppress
 
@@ -28,6 +29,11 @@ COMMANDS = {
 }
 
 TRACEBACK_VARIABLE = "OPTIQ_TRACEBACK"  # set to 1: an unexpected exception shows its traceback, not one line
+ERROR_CHARS = 2000  # an error line is cut past this: a message quoting a whole file or name says nothing more
+
+
+def _error(message: object) -> None:
+    click.echo(f"optiq: error: {visible(message, limit=ERROR_CHARS)}", err=True)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -62,20 +68,23 @@ class OptiqGroup(click.Group):
         try:
             return super().invoke(ctx)
         except click.ClickException as exc:  # usage: click prints it, with the bad value made visible
-            exc.message = visible(exc.message)
+            exc.message = visible(exc.message, limit=ERROR_CHARS)
             raise
         except (click.exceptions.Exit, click.exceptions.Abort):
             raise
         except OptiqError as exc:
-            click.echo(f"optiq: error: {visible(exc)}", err=True)
+            _error(exc)
             ctx.exit(EXIT_USER_ERROR)
         except KeyboardInterrupt:
             click.echo("optiq: interrupted", err=True)
             ctx.exit(EXIT_INTERRUPTED)
+        except BrokenPipeError:  # stdout's reader (`| head`) is gone: nothing left to tell it, nor to flush at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(EXIT_USER_ERROR)
         except Exception as exc:
             if os.environ.get(TRACEBACK_VARIABLE) == "1":
                 raise
-            click.echo(f"optiq: error: {visible(_one_line(exc))}", err=True)
+            _error(_one_line(exc))
             ctx.exit(EXIT_USER_ERROR)
 
 
@@ -84,7 +93,8 @@ HELP = """optiq: make LLM decode fast by measurement.
 \b
 Exit codes: 0 ok, 1 user error (bad model, trace, recipe or flag value), 2 usage (unknown flag),
 3 the validation gate rejected every recipe, 130 interrupted by Ctrl-C or SIGTERM (results so far kept,
-run marked incomplete).
+run marked incomplete). Every error is one line, and a failed run is marked so in its run.json;
+OPTIQ_TRACEBACK=1 shows the traceback of an unexpected one.
 """
 
 

@@ -408,3 +408,38 @@ def test_files_written_atomically_get_the_umask_s_permissions(tmp_path, umask, m
     finally:
         os.umask(previous)
     assert {p.name: p.stat().st_mode & 0o777 for p in run.path.iterdir()} == {"run.json": mode, "results.json": mode}
+
+
+def test_a_checkpoint_whose_path_is_markup_loads_measures_and_shows_as_text(tmp_path):
+    """The model's path reaches the spinner, the progress bar and the table's title: rich read it as markup there
+    (`[/ckpt]` raised MarkupError before anything was measured)."""
+    import torch
+
+    from optiq.models import load_model
+
+    checkpoint = tmp_path / "[/ckpt]" / "tiny:cat:[bold]"
+    load_model("tiny-llama", torch.float32, torch.device("cpu")).save_pretrained(checkpoint)
+    result = invoke("bench", *FAST, "--model", checkpoint, "--concurrency", "1", "--runs-dir", tmp_path / "runs")
+    assert result.exit_code == 0, result.output
+    assert str(checkpoint) in "".join(result.stdout.split())  # the title, wrapped at its spaces
+    assert only_run(tmp_path / "runs")["status"] == "complete"
+
+
+def test_a_closed_stdout_ends_quietly(tmp_path):
+    """`optiq analyze ... --json | head -c1`: the reader went away; no BrokenPipeError traceback, no message."""
+    proc = subprocess.Popen([sys.executable, "-m", "optiq", "analyze", str(DATA / "gpu_eager.json.gz"), "--json",
+                             "--by", "kernel"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1 and stderr == "", stderr
+
+
+def test_an_os_error_no_command_caught_is_reported_as_the_file_system_said():
+    import errno
+
+    from optiq.cli import _one_line
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/trace.json")
+    assert _one_line(full) == "/runs/trace.json: No space left on device (the disk or a file size limit is full)"
+    assert _one_line(PermissionError(errno.EACCES, "Permission denied")) == "Permission denied"
+    assert _one_line(KeyError("x")).startswith("unexpected KeyError: 'x' (a bug in optiq; OPTIQ_TRACEBACK=1")
