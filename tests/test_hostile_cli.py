@@ -443,3 +443,24 @@ def test_an_os_error_no_command_caught_is_reported_as_the_file_system_said():
     assert _one_line(full) == "/runs/trace.json: No space left on device (the disk or a file size limit is full)"
     assert _one_line(PermissionError(errno.EACCES, "Permission denied")) == "Permission denied"
     assert _one_line(KeyError("x")).startswith("unexpected KeyError: 'x' (a bug in optiq; OPTIQ_TRACEBACK=1")
+
+
+def test_a_kernel_raising_an_error_with_markup_leaves_exit_3_and_shows_the_reason_as_text(tmp_path, monkeypatch):
+    """A fused kernel that raises `... [/cache] ...`: the gate rejects its recipe with the message as the reason, and
+    printing that reason in the gate's table (rich markup once: MarkupError, a traceback for exit 3) shows it."""
+    from wrong_kernels import user_recipe
+
+    (tmp_path / "raising_kernels.py").write_text(
+        "def rmsnorm(x, weight, eps, offset=False, out=None):\n"
+        "    raise RuntimeError('cache miss in [/cache] \\x1b[31m')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    user_recipe(tmp_path / "mine", "rmsnorm", "raising_norm", fusion="raising_kernels:rmsnorm")
+    result = invoke("apply-fusion", *FAST, "--concurrency", "1", "--gate-steps", "2", "--recipes", "raising_norm",
+                    "--recipes-dir", tmp_path / "mine", "--runs-dir", tmp_path / "runs")
+    assert result.exit_code == 3 and "Traceback" not in result.output, (result.output, result.exception)
+    assert_terminal_safe(result.output)
+    assert "[/cache]" in result.output and "\\x1b[31m" in result.output
+    (run,) = (tmp_path / "runs").iterdir()
+    reason = json.loads((run / "report.json").read_text())["fusion"]["gate"]["recipes"]["raising_norm"]["reason"]
+    assert reason.endswith("RuntimeError: cache miss in [/cache] \x1b[31m")
+    assert only_run(tmp_path / "runs")["status"] == "rejected"
