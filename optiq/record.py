@@ -274,8 +274,9 @@ def _check_attribution(attribution: dict[str, dict], where: str) -> None:
         for i, row in enumerate(table):
             if not isinstance(row, dict) or not {"label", "gpu_ms_per_step"} <= row.keys():
                 raise OptiqError(f"{where}.{key}.table[{i}]: expected an object with a label and a gpu_ms_per_step")
-            row["label"] = _decode(str, row["label"], f"{where}.{key}.table[{i}].label")
-            row["gpu_ms_per_step"] = _decode(float, row["gpu_ms_per_step"], f"{where}.{key}.table[{i}].gpu_ms_per_step")
+            place = f"{where}.{key}.table[{i}]"
+            row["label"] = _decode(str, row["label"], f"{place}.label")
+            row["gpu_ms_per_step"] = _decode(float, row["gpu_ms_per_step"], f"{place}.gpu_ms_per_step")
 
 
 def _check(record: RunRecord, where: str) -> None:

@@ -398,8 +398,9 @@ def compare_document(a: RunRecord, b: RunRecord, name_a: str, name_b: str) -> Do
 
 # --- rendering -----------------------------------------------------------------------------------------------------
 
-# What Markdown would read as syntax inside a line: a table's cell end, raw HTML, a link or image, code, emphasis, and
-# the backslash that escapes them all. Underscores stay: inside a word (triton_poi_fused_add_0) they emphasise nothing.
+# What Markdown would read as syntax inside a line: a table's cell end, raw HTML, a link or image, code, emphasis,
+# and the backslash that escapes them all. Underscores stay: inside a word (triton_poi_fused_add_0) they emphasise
+# nothing.
 _MD_SYNTAX = {ord(c): f"\\{c}" for c in "\\|<[]`*"}
 
 

@@ -74,7 +74,8 @@ def test_visible_escapes_what_a_terminal_acts_on_and_keeps_the_rest():
     assert visible("a\nb\tc\rd\x00\x7f\x9b") == "a\\nb\\tc\\rd\\x00\\x7f\\x9b"
     assert visible("\u202eevil\u2066\u2028") == "\\u202eevil\\u2066\\u2028"
     assert visible("\ud800") == "\\ud800"
-    for plain in ("gemm[bs=4]", "[/foo]", "void gemm<float, 128>(float*)", "注意力 ατ ✓ 🙂", ":cat:", "a\\x1b"):
+    for plain in ("gemm[bs=4]", "[/foo]", "void gemm<float, 128>(float*)", "注意力 ατ ✓ 🙂", ":cat:",
+                  "a\\x1b"):
         assert visible(plain) == plain
     long = "k<" + "a" * 100_000
     assert visible(long) == f"{long[:SHOWN_CHARS]}… (+{len(long) - SHOWN_CHARS:,} chars)"
@@ -255,19 +256,20 @@ FLAG_VALUES = {  # flag -> (valid values, invalid ones)
 
 
 @settings(FUZZ, max_examples=150)
-@given(st.sampled_from(["bench", "apply-fusion", "profile"]), st.data())
+@given(st.sampled_from([["bench"], ["apply-fusion"], ["profile"], ["recipes", "verify"]]), st.data())
 def test_fuzzed_flags_fail_as_one_line_or_usage_before_loading_a_model(tmp_path_factory, command, data):
     """Every flag value drawn valid or not; the model is one no preset names, so a run whose flags all pass stops
     at loading it: then the error is that, and otherwise it is the bad flag's, before any run directory."""
     runs = tmp_path_factory.mktemp("runs")
-    flags = [f for f in FLAG_VALUES if command != "profile" or f not in ("--new-tokens", "--repeats")]
+    measures = command[0] in ("bench", "apply-fusion")  # the commands with --new-tokens and --repeats
+    flags = [f for f in FLAG_VALUES if measures or f not in ("--new-tokens", "--repeats")]
     chosen = data.draw(st.lists(st.sampled_from(flags), unique=True))
     args, all_valid = [], True
     for flag in chosen:
         valid = data.draw(st.booleans())
         args += [flag, data.draw(st.sampled_from(FLAG_VALUES[flag][0 if valid else 1]))]
         all_valid &= valid
-    result = invoke(command, "--model", "no-such-model-[/x]", *args, "--runs-dir", runs)
+    result = invoke(*command, "--model", "no-such-model-[/x]", *args, "--runs-dir", runs)
     assert "Traceback" not in result.output and not isinstance(result.exception, Exception), result.exception
     assert_terminal_safe(result.stderr)
     if result.exit_code == 2:

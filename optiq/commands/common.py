@@ -27,8 +27,8 @@ out = Console(width=None if sys.stdout.isatty() else 160, markup=False, emoji=Fa
 err = Console(stderr=True, markup=False, emoji=False, soft_wrap=True)  # a note stays one line, however long
 
 # The largest value a size flag takes (a 32-bit signed int): far beyond any batch or KV cache a device holds, so a
-# real request is never refused, while a larger one would overflow the C integers of torch's shape arithmetic
-# rather than fail as one clear line.
+# real request is never refused. Past it a value reaches the C integers of torch's shapes and the kernels' offsets,
+# where one of a few dozen digits overflows with a traceback instead of failing as one line.
 MAX_SIZE = 2**31 - 1
 SIZE = click.IntRange(1, MAX_SIZE)  # the type of --prompt-len, --new-tokens, --max-len, --steps, --repeats, ...
 
@@ -239,7 +239,8 @@ class _SweepBar:
 
 @contextmanager
 def _sweep_bar(label: str, points: int):
-    progress = Progress(TextColumn("{task.description}", markup=False), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+    progress = Progress(TextColumn("{task.description}", markup=False), BarColumn(),
+                        TextColumn("{task.completed}/{task.total}"),
                         TimeElapsedColumn(), console=err, transient=True)
     with progress:
         yield _SweepBar(progress, progress.add_task(visible(label), total=points), label)

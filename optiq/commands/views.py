@@ -38,7 +38,8 @@ def attribution_view(attribution: Attribution, title: str) -> Table:
         table.add_column(name, justify="right" if "/" in name or "%" in name else "left", overflow="fold")
     for row in attribution.table.itertuples():
         table.add_row(visible(row.label), f"{row.gpu_ms_per_step:.4f}", f"{row.pct:.1f}",
-                      f"{row.kernels_per_step:.1f}", f"{row.mean_us:.2f}", visible(row.top_kernels), visible(row.where))
+                      f"{row.kernels_per_step:.1f}", f"{row.mean_us:.2f}", visible(row.top_kernels),
+                      visible(row.where))
     return table
 
 
