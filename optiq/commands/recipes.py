@@ -107,7 +107,7 @@ def verify(names, model_spec, dtype, device, concurrency, prompt_len, max_len, g
     catalog = load_catalog(recipes_dir)
     chosen = [catalog[n] for n in named_recipes(",".join(names), catalog)] if names else list(catalog.values())
     gpu = device.type == "cuda"
-    concurrencies = parse_concurrency(concurrency or ("1,16,64" if gpu else "1,2"))
+    concurrencies = parse_concurrency(("1,16,64" if gpu else "1,2") if concurrency is None else concurrency)
     prompt_len = prompt_len or (512 if gpu else 16)
     max_len = max_len or (1024 if gpu else 64)
     gate_steps = gate_steps or (64 if gpu else 16)
