@@ -84,10 +84,14 @@ def test_visible_escapes_what_a_terminal_acts_on_and_keeps_the_rest():
 
 @FUZZ
 @given(st.text(st.characters(codec=None), max_size=60))
-def test_visible_output_is_terminal_safe_and_loses_only_what_it_escapes(text):
+def test_visible_output_is_terminal_safe_and_maps_each_character_alone(text):
+    """Character by character: kept as it is, or replaced by its escape; so nothing else is lost or reordered."""
     out = visible(text)
     assert_terminal_safe(out)
-    assert out == text or any(c != visible(c) for c in text)
+    escapes = [visible(c) for c in text]
+    assert out == "".join(escapes)
+    for c, shown_as in zip(text, escapes):
+        assert shown_as == c or (shown_as.startswith("\\") and shown_as.encode("ascii").decode("unicode_escape") == c)
 
 
 # --- rendering -----------------------------------------------------------------------------------------------------
