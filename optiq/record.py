@@ -11,13 +11,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from optiq.errors import OptiqError
+from optiq.errors import OptiqError, first_line
 
 SCHEMA_VERSION = 1
 STATUSES = ("running", "complete", "rejected", "incomplete", "failed")
@@ -234,11 +236,62 @@ def _decode(kind: Any, value: Any, where: str) -> Any:
         return {key: _decode(args[1], item, f"{where}.{key}") for key, item in value.items()}
     if kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            return _float(value, where)
     elif kind is Any or (isinstance(kind, type) and isinstance(value, kind) and not
                          (isinstance(value, bool) and kind is int)):
         return value
     raise OptiqError(f"{where}: expected {getattr(kind, '__name__', kind)}, not {value!r:.60}")
+
+
+def _float(value: int | float, where: str) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise OptiqError(f"{where}: an integer of {len(str(value))} digits is out of a float's range") from None
+
+
+def _concurrency_keys(table: dict, where: str) -> None:
+    """The keys of a per-concurrency table are concurrencies, as JSON writes integer keys: "1", "64"."""
+    bad = next((key for key in table if not (key.isascii() and key.isdigit())), None)
+    if bad is not None:
+        raise OptiqError(f"{where}: key {bad!r:.60} is not a concurrency")
+
+
+def _check_attribution(attribution: dict[str, dict], where: str) -> None:
+    """The parts of a profile's attribution (``optiq analyze --json``'s document) the report reads: a summary whose
+    time unit is text and whose kernel count is a number, and table rows with a text label and a GPU time. The rest
+    of the document is the profiler's, kept as it is."""
+    _concurrency_keys(attribution, where)
+    for key, entry in attribution.items():
+        summary, table = entry.get("summary", {}), entry.get("table", [])
+        if not isinstance(summary, dict):
+            raise OptiqError(f"{where}.{key}.summary: expected an object, not {type(summary).__name__}")
+        for name, kind in (("time_unit", str), ("kernels_per_step", float)):
+            if name in summary:
+                summary[name] = _decode(kind, summary[name], f"{where}.{key}.summary.{name}")
+        if not isinstance(table, list):
+            raise OptiqError(f"{where}.{key}.table: expected a list, not {type(table).__name__}")
+        for i, row in enumerate(table):
+            if not isinstance(row, dict) or not {"label", "gpu_ms_per_step"} <= row.keys():
+                raise OptiqError(f"{where}.{key}.table[{i}]: expected an object with a label and a gpu_ms_per_step")
+            place = f"{where}.{key}.table[{i}]"
+            row["label"] = _decode(str, row["label"], f"{place}.label")
+            row["gpu_ms_per_step"] = _decode(float, row["gpu_ms_per_step"], f"{place}.gpu_ms_per_step")
+
+
+def _check(record: RunRecord, where: str) -> None:
+    """What the types alone do not say: a known status, per-concurrency keys, attributions the report can read, a
+    compile worker's engine of three sizes."""
+    if record.status not in STATUSES:
+        raise OptiqError(f"{where}.status: expected one of {', '.join(STATUSES)}, not {record.status!r:.60}")
+    for name in ("attribution_before", "attribution_after"):
+        _check_attribution(getattr(record, name), f"{where}.{name}")
+    if record.fusion is not None:
+        _concurrency_keys(record.fusion.proposals, f"{where}.fusion.proposals")
+        for i, child in enumerate(record.fusion.compile_ahead):
+            if len(child.engine) != 3:
+                raise OptiqError(f"{where}.fusion.compile_ahead[{i}].engine: expected [batch, cache length, prompt "
+                                 f"length], not {child.engine!r:.60}")
 
 
 def from_json(doc: Any, where: str = "run record") -> RunRecord:
@@ -250,18 +303,30 @@ def from_json(doc: Any, where: str = "run record") -> RunRecord:
         raise OptiqError(f"{where}: schema version {found if found is not None else 'none (an older optiq)'}, this "
                          f"optiq reads version {SCHEMA_VERSION}; run the command again to record it anew")
     record = _decode(RunRecord, doc, where)
-    if record.status not in STATUSES:
-        raise OptiqError(f"{where}.status: expected one of {', '.join(STATUSES)}, not {record.status!r}")
+    _check(record, where)
     return record
+
+
+MAX_RECORD_BYTES = 16 * 2**20  # a real record is kilobytes; parsed, 16 MB of JSON may take some hundreds of MB
 
 
 def load(path: Path | str) -> RunRecord:
     """A record file, checked (``from_json``); anything unreadable is a one-line user error."""
     path = Path(path)
     try:
-        doc = json.loads(path.read_text())
+        with path.open("rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block or never end
+                raise OptiqError(f"{path} is not a regular file")
+            if info.st_size > MAX_RECORD_BYTES:
+                raise OptiqError(f"{path} is {info.st_size:,} bytes, more than any run record "
+                                 f"({MAX_RECORD_BYTES:,} at most)")
+            text = f.read(MAX_RECORD_BYTES + 1).decode("utf-8")
+        doc = json.loads(text)
     except (OSError, UnicodeDecodeError) as exc:
         raise OptiqError(f"cannot read {path}: {exc}") from None
     except json.JSONDecodeError as exc:
         raise OptiqError(f"{path} is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # an integer of thousands of digits, arrays nested thousands deep
+        raise OptiqError(f"{path} is not a run record: {first_line(exc)}") from None
     return from_json(doc, str(path))

@@ -19,6 +19,7 @@ from optiq import record
 from optiq.errors import OptiqError
 from optiq.record import CompiledAhead, Fusion, Row, RunRecord
 from optiq.rundir import write_atomic
+from optiq.text import visible
 
 STACK_CLASSES = 8  # op classes drawn in the stacked bars; the rest are summed as REST
 REST = "the rest"  # not "other", which is an op class of its own
@@ -397,26 +398,40 @@ def compare_document(a: RunRecord, b: RunRecord, name_a: str, name_b: str) -> Do
 
 # --- rendering -----------------------------------------------------------------------------------------------------
 
-def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+# What Markdown would read as syntax inside a line: a table's cell end, raw HTML, a link or image, code, emphasis,
+# and the backslash that escapes them all. Underscores stay: inside a word (triton_poi_fused_add_0) they emphasise
+# nothing.
+_MD_SYNTAX = {ord(c): f"\\{c}" for c in "\\|<[]`*"}
+
+
+def _md(text: str) -> str:
+    """``text`` (a name, a reason, a path) as one line of Markdown that renders as itself: control characters and
+    newlines shown as escapes, syntax escaped with backslashes."""
+    return visible(text, limit=None).translate(_MD_SYNTAX)
 
 
 def render_markdown(doc: Document) -> str:
-    lines = [f"# {doc.title}", ""] + [f"- **{k}**: {v}" for k, v in doc.facts]
+    lines = [f"# {_md(doc.title)}", ""] + [f"- **{_md(k)}**: {_md(v)}" for k, v in doc.facts]
     for table in doc.tables:
-        lines += ["", f"## {table.title}", ""]
+        lines += ["", f"## {_md(table.title)}", ""]
         if not table.rows:
             lines.append("(none)")
             continue
-        lines += ["| " + " | ".join(map(_md_cell, table.columns)) + " |", "|" + "---|" * len(table.columns)]
-        lines += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in table.rows]
+        lines += ["| " + " | ".join(map(_md, table.columns)) + " |", "|" + "---|" * len(table.columns)]
+        lines += ["| " + " | ".join(map(_md, row)) + " |" for row in table.rows]
         if table.note:
-            lines += ["", f"*{table.note}*"]
+            lines += ["", f"*{_md(table.note)}*"]
     return "\n".join(lines) + "\n"
 
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf"]
+
+
+def _plot_text(text: str) -> str:
+    """A legend entry or title for plotly.js, which reads tags (<b>, <br>, <a href>) and entities in them: escaped,
+    a name such as ``gemm<float, 128>`` shows as itself."""
+    return html.escape(visible(text))
 
 
 def _figure(plot: Lines | Stack):
@@ -426,7 +441,7 @@ def _figure(plot: Lines | Stack):
     if isinstance(plot, Lines):
         for i, (name, values, dash) in enumerate(plot.series):
             xs = sorted(values)
-            fig.add_trace(go.Scatter(x=xs, y=[values[c] for c in xs], name=name, mode="lines+markers",
+            fig.add_trace(go.Scatter(x=xs, y=[values[c] for c in xs], name=_plot_text(name), mode="lines+markers",
                                      line={"dash": dash, "color": PALETTE[i % len(PALETTE)]}))
         ticks = sorted({c for _, values, _ in plot.series for c in values})
         fig.update_xaxes(type="log", title="concurrency", tickvals=ticks, ticktext=[str(c) for c in ticks])
@@ -441,10 +456,10 @@ def _figure(plot: Lines | Stack):
         for i, label in enumerate([*shown, REST] if len(totals) > len(shown) else shown):
             y = [sum(ms for k, ms in classes.items() if k not in shown) if label == REST else classes.get(label, 0.0)
                  for *_, classes in plot.bars]
-            fig.add_trace(go.Bar(x=x, y=y, name=label, marker_color=PALETTE[i % len(PALETTE)]))
+            fig.add_trace(go.Bar(x=x, y=y, name=_plot_text(label), marker_color=PALETTE[i % len(PALETTE)]))
         fig.update_layout(barmode="stack")
         fig.update_yaxes(title="ms/step")
-    fig.update_layout(title=plot.title, template="plotly_white", height=460, margin={"t": 60})
+    fig.update_layout(title=_plot_text(plot.title), template="plotly_white", height=460, margin={"t": 60})
     return fig
 
 
@@ -460,7 +475,9 @@ def render_html(doc: Document) -> str:
     """
     import plotly.io as pio
 
-    esc = html.escape
+    def esc(text: str) -> str:  # control characters shown as escapes there too
+        return html.escape(visible(text, limit=None))
+
     parts = [f"<h1>{esc(doc.title)}</h1>", "<ul>"] + [f"<li><b>{esc(k)}</b>: {esc(v)}</li>" for k, v in doc.facts]
     parts.append("</ul>")
     for i, plot in enumerate(p for p in doc.plots if not p.empty):

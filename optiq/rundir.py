@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 import pandas as pd
@@ -21,13 +21,16 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename: readers never see half a file.
 
     A write the file system refuses (full disk, quota, read-only, permissions) is a one-line OptiqError; the previous
-    version of ``path``, and every other file already written, stays as it was."""
+    version of ``path``, and every other file already written, stays as it was. The file gets the permissions any
+    new file gets (0666 less the umask, as the traces torch writes), not the 0600 of a private temporary file."""
     path = Path(path)
-    mode = "wb" if isinstance(data, bytes) else "w"
+    # Text is UTF-8 whatever the locale; a lone surrogate (a trace may hold one, escaped in its JSON) is written as
+    # its escape rather than failing the write.
+    mode = dict(mode="wb") if isinstance(data, bytes) else dict(mode="w", encoding="utf-8", errors="backslashreplace")
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, mode) as f:
+        fd, tmp = _create_temporary(path)
+        with os.fdopen(fd, **mode) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -38,6 +41,16 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         if isinstance(exc, OSError):
             raise OptiqError(f"cannot write {path}: {exc.strerror or exc}; files written before are intact") from None
         raise
+
+
+def _create_temporary(path: Path) -> tuple[int, str]:
+    """A new, exclusively created file beside ``path`` (so the rename stays on one file system), open for writing."""
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), str(tmp)
+        except FileExistsError:
+            continue
 
 
 def write_json(path: Path, obj) -> None:

@@ -21,7 +21,8 @@ def _start(args):
 def test_an_interrupt_mid_sweep_keeps_finished_points(tmp_path, stop):
     runs = tmp_path / "runs"
     # Many concurrencies, each a few hundred ms on the CPU: the interrupt lands mid-sweep.
-    args = [sys.executable, "-m", "optiq", "bench", "--model", "tiny-llama", "--concurrency", ",".join(["1"] * 40),
+    args = [sys.executable, "-m", "optiq", "bench", "--model", "tiny-llama", "--concurrency",
+            ",".join(str(c) for c in range(1, 41)),
             "--prompt-len", "8", "--new-tokens", "16", "--max-len", "32", "--repeats", "2", "--runs-dir", str(runs)]
     proc = _start(args)
     deadline = time.monotonic() + 240

@@ -7,8 +7,11 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from optiq.cli import cli
+from optiq.errors import OptiqError
 from optiq.record import SCHEMA_VERSION, from_json
 from optiq.report import (compare_runs, headline, load_report, render_html, report_document, savings,
                           time_to_optimized, write_report)
@@ -316,3 +319,155 @@ def test_too_many_runs_or_out_without_compare_is_usage(tmp_path):
     run = run_dir_with(tmp_path, h200_report())
     assert run_cli("report", run, run, run).exit_code == 2
     assert run_cli("report", run, "--out", tmp_path / "x").exit_code == 2
+
+
+def _set(*path_and_value):
+    """A change to the H200 report: the place at ``path`` (keys and list indices) set to ``value``, or removed."""
+    *path, value = path_and_value
+
+    def change(doc):
+        target = doc
+        for key in path[:-1]:
+            target = target[key]
+        if value is _REMOVED:
+            del target[path[-1]]
+        else:
+            target[path[-1]] = value
+        return doc
+    return change
+
+
+_REMOVED = object()
+# Well-formed JSON of the wrong shape, as a careless edit or another tool's file would hold: each must be one line.
+WRONG_SHAPES = {
+    "a list": lambda doc: [doc],
+    "a string": lambda doc: "report",
+    "null": lambda doc: None,
+    "a number": lambda doc: 1,
+    "an empty object": lambda doc: {},
+    "schema true": _set("schema", True),
+    "no model": _set("model", _REMOVED),
+    "model null": _set("model", None),
+    "concurrency a string": _set("concurrency", "1,16"),
+    "concurrency of strings": _set("concurrency", ["1"]),
+    "environment a list": _set("environment", []),
+    "workload of floats": _set("workload", "prompt_len", 512.5),
+    "a row a string": _set("before", 0, "row"),
+    "a row missing its status": _set("before", 0, "status", _REMOVED),
+    "tok/s a string": _set("before", 0, "tok_per_s", "fast"),
+    "tok/s a bool": _set("before", 0, "tok_per_s", True),
+    "ms/step of 400 digits": _set("before", 0, "ms_per_step", 10 ** 400),
+    "repeats of nulls": _set("before", 0, "ms_per_step_repeats", [None]),
+    "fusion a list": _set("fusion", []),
+    "applied a string": _set("fusion", "applied", "rmsnorm"),
+    "a verdict of the wrong type": _set("fusion", "gate", "recipes", "rope", ["rope"]),
+    "an end-to-end field unknown": _set("fusion", "gate", "end_to_end", 0, "tolerence", 1),
+    "proposals keyed by a word": _set("fusion", "proposals", {"sixty-four": []}),
+    "a proposal of nulls": _set("fusion", "proposals", "64", [None]),
+    "a worker's engine of two": _set("fusion", "compile_ahead", [{"engine": [1, 2]}]),
+    "attribution a list": _set("attribution_before", []),
+    "attribution keyed by a word": _set("attribution_before", {"one": {}}),
+    "an attribution's summary a list": _set("attribution_before", "1", "summary", []),
+    "an attribution's time unit an object": _set("attribution_before", "1", "summary", "time_unit", {}),
+    "an attribution's table a number": _set("attribution_before", "1", "table", 3.0),
+    "an attribution row without a label": _set("attribution_before", "1", "table", 0, "label", _REMOVED),
+    "an attribution row's time a list": _set("attribution_before", "64", "table", 0, "gpu_ms_per_step", [1]),
+    "an attribution row a string": _set("attribution_after", "64", "table", ["gemm"]),
+    "status a number": _set("status", 3),
+    "status unknown": _set("status", "exploded"),
+}
+
+
+@pytest.mark.parametrize("kind", WRONG_SHAPES)
+def test_a_record_of_the_wrong_shape_is_one_line_and_exit_1(tmp_path, kind):
+    doc = WRONG_SHAPES[kind](h200_report())
+    run = run_dir_with(tmp_path, doc)
+    for args in ([run], [run, run], [run, "--json"]):
+        result = CliRunner().invoke(cli, ["report", *map(str, args)])
+        assert result.exit_code == 1, (result.output, result.exception)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"optiq: error: {run / 'report.json'}"), result.stderr
+        assert "unexpected" not in lines[0] and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("[" * 100_000 + "]" * 100_000, "is not a run record"),  # nesting: json's RecursionError
+    ('{"schema": 1, "model": ' + "9" * 5000 + "}", "is not a run record"),  # digits past int's limit
+    ("\ufeff{}", "not valid JSON"),
+    (b"\xff\xfe{}", "cannot read"),
+])
+def test_a_record_file_json_cannot_hold_is_one_line(tmp_path, content, message):
+    run = tmp_path / "run"
+    run.mkdir()
+    path = run / "report.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    result = CliRunner().invoke(cli, ["report", str(run)])
+    assert result.exit_code == 1 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_record_larger_than_any_run_is_refused_unread(tmp_path):
+    from optiq.record import MAX_RECORD_BYTES
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "report.json", "wb") as f:
+        f.truncate(MAX_RECORD_BYTES + 1)  # sparse: nothing is written
+    result = CliRunner().invoke(cli, ["report", str(run)])
+    assert result.exit_code == 1 and "more than any run record" in result.stderr
+
+
+def test_a_fifo_named_report_json_does_not_hang(tmp_path):
+    import os
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "report.json")
+    result = CliRunner().invoke(cli, ["report", str(run)])
+    assert result.exit_code == 1 and "has no report.json" in result.stderr
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70) | st.sampled_from([10 ** 400, -(10 ** 400)])
+    | st.floats() | st.text(max_size=10) | st.sampled_from(["ok", "oom", "1", "64", "", "[/x]", "\x1b[31m"]),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(
+        st.text(max_size=6) | st.sampled_from(["1", "64", "label", "gpu_ms_per_step", "summary", "table"]),
+        children, max_size=4),
+    max_leaves=30)
+
+
+def _paths(value, prefix=()):
+    """Every place in a JSON document, deepest last."""
+    yield prefix
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in children:
+        yield from _paths(child, (*prefix, key))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.data())
+def test_fuzzed_records_read_render_and_compare_or_fail_as_one_optiq_error(data):
+    """Up to three places of the H200 report replaced by any JSON (nested, huge, NaN, markup-like) or removed:
+    checking it, its report document, its Markdown, its terminal tables and the comparison with itself either work or
+    raise OptiqError, never anything else."""
+    from optiq.commands.views import rich_table
+    from optiq.report import compare_document, render_markdown
+
+    doc = h200_report()
+    for _ in range(data.draw(st.integers(1, 3))):
+        where = data.draw(st.sampled_from(list(_paths(doc))[1:]))
+        parent = doc
+        for key in where[:-1]:
+            parent = parent[key]
+        if isinstance(parent, dict) and data.draw(st.booleans()):
+            del parent[where[-1]]
+        else:
+            parent[where[-1]] = data.draw(JSON_VALUES)
+    try:
+        run = from_json(json.loads(json.dumps(doc)))
+    except OptiqError:
+        return
+    document = report_document(run)
+    render_markdown(document)
+    for table in document.tables:
+        rich_table(table)
+    render_markdown(compare_document(run, run, "a", "b"))

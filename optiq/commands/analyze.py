@@ -7,10 +7,11 @@ from pathlib import Path
 import click
 from optiq.catalog.proposals import propose
 from optiq.catalog.recipes import load_catalog
-from optiq.commands.common import err, out, print_json, recipes_dir_option
+from optiq.commands.common import SIZE, out, print_json, recipes_dir_option, status
 from optiq.commands.views import attribution_view, proposals_records, proposals_table
 from optiq.errors import OptiqError
 from optiq.rundir import write_csv
+from optiq.text import visible
 from optiq.traces.attribution import (GROUPINGS, align_graph_with_eager, attribute, attribution_document,
                                       weighted_kernels)
 from optiq.traces.reader import Trace, read_trace
@@ -43,7 +44,7 @@ def align_with_companion(traces: list[Trace], companion: str) -> None:
               help="Group GPU time by op class, module role, kernel or decoder layer.")
 @click.option("--eager-companion", default=None, type=click.Path(dir_okay=False),
               help="An eager trace of the same model and batch: CUDA-graph kernels take its ops, roles and layers.")
-@click.option("--top", default=3, show_default=True, type=click.IntRange(1), help="Top kernels / places per row.")
+@click.option("--top", default=3, show_default=True, type=SIZE, help="Top kernels / places per row.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
 @click.option("--csv", "csv_path", default=None, type=click.Path(dir_okay=False), help="Also write the rows here.")
 @click.option("--proposals", "model_type", default=None, metavar="MODEL_TYPE",
@@ -57,7 +58,7 @@ def analyze(traces, by, eager_companion, top, as_json, csv_path, model_type, rec
     Several files are several ranks: each is shown, then all together. Steps come from optiq/step annotations,
     else vLLM's or SGLang's step markers, else the whole trace is one step.
     """
-    with err.status(f"reading {len(traces)} trace(s)"):
+    with status(f"reading {len(traces)} trace(s)"):
         read = read_ranks(list(traces))
         if eager_companion:
             align_with_companion(read, eager_companion)
@@ -82,6 +83,6 @@ def analyze(traces, by, eager_companion, top, as_json, csv_path, model_type, rec
     for title, _, attribution in results:
         out.print(attribution_view(attribution, f"{title} · by {by}"))
         for note in attribution.notes:
-            out.print(f"  note: {note}")
+            out.print(f"  note: {visible(note)}")
         if proposals:
             out.print(proposals_table(proposals[title], f"proposals · {title}"))

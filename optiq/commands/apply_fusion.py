@@ -7,6 +7,7 @@ import click
 
 from optiq.commands.common import (err, exit_if_rejected, gate_options, measurement_options, model_options, out,
                                    print_json, recipes_dir_option, run_job, workload_options)
+from optiq.text import visible
 
 
 @click.command(name="apply-fusion")
@@ -32,18 +33,17 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
     report.html (plotly, self-contained) into a new run directory. Exit code 3 when the gate rejects every recipe.
     """
     from optiq.commands.views import rich_table
-    from optiq.report import gate_table, headline_table, write_report
+    from optiq.report import gate_table, headline_table
 
-    record, run = run_job("apply-fusion", model_spec, dtype, device, mode, concurrency, prompt_len, new_tokens,
-                          max_len, repeats, compare, requested, recipes_dir, gate_steps, min_share, runs_dir,
-                          profile=True, mutants=mutants)
-    written = write_report(run.path, record)
+    record, run, written = run_job("apply-fusion", model_spec, dtype, device, mode, concurrency, prompt_len,
+                                   new_tokens, max_len, repeats, compare, requested, recipes_dir, gate_steps,
+                                   min_share, runs_dir, profile=True, mutants=mutants, report=True)
     if as_json:
         print_json({"run_dir": str(run.path), **record.to_json()})
     else:
         out.print(rich_table(gate_table(record)))
         out.print(rich_table(headline_table(record)))
-        out.print(f"run directory: {run.path} (report.json, {', '.join(p.name for p in written.paths)})")
+        out.print(f"run directory: {visible(run.path)} (report.json, {', '.join(p.name for p in written.paths)})")
     if written.note:
         err.print(f"note: {written.note}")
     exit_if_rejected(record)

@@ -8,6 +8,7 @@ import click
 from optiq.commands.common import (exit_if_rejected, gate_options, measurement_options, model_options, out, print_json,
                                    recipes_dir_option, run_job, workload_options)
 from optiq.models import PRESETS
+from optiq.text import visible
 
 BENCH_HELP = """Decode throughput against concurrency, with each point's bandwidth floor.
 
@@ -39,7 +40,7 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
           recipes_dir, gate_steps, min_share, mutants, runs_dir, as_json):
     from optiq.commands.views import fusion_summary, results_table
 
-    record, run = run_job("bench", model_spec, dtype, device, mode, concurrency, prompt_len, new_tokens, max_len,
+    record, run, _ = run_job("bench", model_spec, dtype, device, mode, concurrency, prompt_len, new_tokens, max_len,
                           repeats, compare, requested, recipes_dir, gate_steps, min_share, runs_dir, profile=False,
                           mutants=mutants)
     if as_json:
@@ -51,5 +52,5 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
                                 f"{record.bandwidth_gb_s:,.0f} GB/s"))
         if record.fusion is not None:
             out.print(fusion_summary(record))
-        out.print(f"run directory: {run.path}")
+        out.print(f"run directory: {visible(run.path)}")
     exit_if_rejected(record)

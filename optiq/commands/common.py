@@ -1,43 +1,61 @@
-"""What every command shares: the consoles, the options, parsing them, progress, and JSON output. Commands import
-this module and ``views``, never one another."""
+"""What every command shares: the consoles, the options, parsing them, progress, JSON output, and how a run ends.
+Commands import this module and ``views``, never one another."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
 from contextlib import contextmanager, suppress
+from typing import Callable
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from optiq.errors import EXIT_GATE_REJECTED_ALL, EXIT_INTERRUPTED, OptiqError, first_line
+from optiq.text import visible
 
 # Tables go to stdout, progress and notes to stderr, so ``--json`` output stays one clean document.
-# Piped output keeps whole table rows instead of rich's 80-column default.
-out = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True)
+# Piped output keeps whole table rows instead of rich's 80-column default. Neither console reads markup or emoji
+# codes: what they print holds names from traces, recipes and paths (`[/foo]`, `gemm[bs=4]`, `:cat:`), shown as
+# they are; what could still reach the terminal raw, its control characters, goes through ``visible`` first.
+out = Console(width=None if sys.stdout.isatty() else 160, markup=False, emoji=False)
+err = Console(stderr=True, markup=False, emoji=False, soft_wrap=True)  # a note stays one line, however long
+
+# The largest value a size flag takes (a 32-bit signed int): far beyond any batch or KV cache a device holds, so a
+# real request is never refused. Past it a value reaches the C integers of torch's shapes and the kernels' offsets,
+# where one of a few dozen digits overflows with a traceback instead of failing as one line.
+MAX_SIZE = 2**31 - 1
+SIZE = click.IntRange(1, MAX_SIZE)  # the type of --prompt-len, --new-tokens, --max-len, --steps, --repeats, ...
 
 
 def parse_concurrency(text: str) -> list[int]:
+    """The batch sizes of a comma-separated list, each once, in the order first given."""
+    shown = visible(text, limit=60)
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise OptiqError(f"--concurrency must be a comma-separated list of integers, not '{text}'") from None
+        raise OptiqError(f"--concurrency must be a comma-separated list of integers, not '{shown}'") from None
     if not values or min(values) < 1:
-        raise OptiqError(f"--concurrency needs positive integers, got '{text}'")
-    return values
+        raise OptiqError(f"--concurrency needs positive integers, got '{shown}'")
+    if max(values) > MAX_SIZE:
+        raise OptiqError(f"--concurrency values must be at most {MAX_SIZE:,}, got '{shown}'")
+    return list(dict.fromkeys(values))
 
 
 def resolve_device_and_mode(device: str | None, mode: str | None):
     """The torch device (default: CUDA when present) and engine mode (default: graph on CUDA, eager elsewhere)."""
     import torch
 
-    resolved = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device is None else _device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise OptiqError("--device cuda asked for, but this machine has no CUDA device")
+    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
+        raise OptiqError(f"--device {visible(device)}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if resolved.type == "cpu":
         # Triton compiles only for GPUs; on the CPU the fusions run under its interpreter, which must be chosen
         # before triton is first imported (transformers' masking and modeling utilities import it): call this first.
@@ -46,6 +64,20 @@ def resolve_device_and_mode(device: str | None, mode: str | None):
     if mode == "graph" and resolved.type != "cuda":
         raise OptiqError("--mode graph needs a CUDA device; use --mode eager on the CPU")
     return resolved, mode
+
+
+def _device(text: str):
+    """``--device``: the CPU or a CUDA device, the two optiq measures on (not meta, which holds no data, nor a
+    backend its engine was never run on)."""
+    import torch
+
+    try:
+        device = torch.device(text.strip())
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
+        raise OptiqError(f"--device must be cpu, cuda or cuda:N, not '{visible(text, limit=60)}'")
+    return device
 
 
 # Workload W1 on a GPU; a small one on the CPU, where the fusions run under Triton's interpreter.
@@ -59,10 +91,11 @@ def workload_options(gpu_concurrency: str = "1,16,64", new_tokens: bool = True):
     options = [
         ("--concurrency", f"Batch sizes, comma-separated (default {gpu_concurrency} on CUDA, {cpu['concurrency']} "
                           f"on CPU).", str),
-        ("--prompt-len", f"Random prompt tokens per sequence (default 512 on CUDA, {cpu['prompt_len']} on CPU).", int),
-        *([("--new-tokens", f"Decode steps timed per repeat (default 128 on CUDA, {cpu['new_tokens']} on CPU).", int)]
-          if new_tokens else []),
-        ("--max-len", f"Static KV-cache length (default 1024 on CUDA, {cpu['max_len']} on CPU).", int),
+        ("--prompt-len", f"Random prompt tokens per sequence (default 512 on CUDA, {cpu['prompt_len']} on CPU).",
+         SIZE),
+        *([("--new-tokens", f"Decode steps timed per repeat (default 128 on CUDA, {cpu['new_tokens']} on CPU).",
+            SIZE)] if new_tokens else []),
+        ("--max-len", f"Static KV-cache length (default 1024 on CUDA, {cpu['max_len']} on CPU).", SIZE),
     ]
 
     def decorate(func):
@@ -96,9 +129,16 @@ def measurement_options(compare_help: str, peers: tuple[str, ...] = ("compile",)
                             help=compare_help)(func)
         func = click.option("--mode", type=click.Choice(["eager", "graph"]), default=None,
                             help="eager, or graph: one CUDA graph per concurrency (default on CUDA).")(func)
-        return click.option("--repeats", default=3, show_default=True,
+        return click.option("--repeats", default=3, show_default=True, type=SIZE,
                             help="Timed repeats of the decode; the median is reported.")(func)
     return decorate
+
+
+def _a_number(ctx, param, value):
+    """A float flag's value, not NaN (which every range lets through: it compares false with both ends)."""
+    if math.isnan(value):
+        raise click.BadParameter("nan is not a number")
+    return value
 
 
 def gate_options(func):
@@ -106,27 +146,74 @@ def gate_options(func):
     func = click.option("--mutants", is_flag=True,
                         help="First gate every mutant of each chosen recipe's kernel, alone, and record the mutation "
                              "score (as `optiq recipes verify --mutants`).")(func)
-    func = click.option("--min-share", default=0.25, show_default=True,
+    func = click.option("--min-share", default=0.25, show_default=True, type=click.FloatRange(0, 100),
+                        callback=_a_number,
                         help="auto: take proposals that cover at least this % of the step at some concurrency (of "
                              "the unpatched step: llama-3.1-8b's argmax is 0.45% of it, 0.8% of the fused one).")(func)
-    return click.option("--gate-steps", default=64, show_default=True, type=click.IntRange(1),
+    return click.option("--gate-steps", default=64, show_default=True, type=SIZE,
                         help="Teacher-forced decode steps of the end-to-end check, at every concurrency.")(func)
+
+
+def _finish(run, status: str, **extra) -> bool:
+    """``run.finish``; False where run.json cannot be written (the disk that ended the run may be the full one)."""
+    try:
+        run.finish(status, **extra)
+    except OptiqError:
+        return False
+    return True
 
 
 def stop_interrupted(run, what: str, **progress) -> None:
     """After Ctrl-C: mark the run incomplete (what was measured is already on disk), say so, exit 130."""
-    run.finish("incomplete", **progress)
-    err.print(f"interrupted: {what} kept in {run.path} (marked incomplete)")
+    marked = "marked incomplete" if _finish(run, "incomplete", **progress) else "run.json could not be updated"
+    err.print(f"interrupted: {what} kept in {visible(run.path)} ({marked})")
     raise SystemExit(EXIT_INTERRUPTED)
+
+
+@contextmanager
+def run_ending(run, what: Callable[[], str], progress: Callable[[], dict],
+               keep: Callable[[str], None] = lambda status: None):
+    """Around a run's work: however it stops short, ``run.json`` says so before the command exits, with what was
+    done (``progress()``, its fields; ``what()``, in words). An interrupt marks it incomplete and exits 130; any
+    exception marks it failed, with the exception's line, and goes on to the CLI's one-line report (an OptiqError:
+    exit 1). ``SystemExit`` from code optiq ran (a kernel, a recipe's module) is a failure too, not the end of
+    the command with its code. ``keep(status)`` saves the command's own record with that status first; a write that
+    fails there (a full disk) does not hide the error that ended the run."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        with suppress(OptiqError):
+            keep("incomplete")
+        stop_interrupted(run, what(), **progress())
+    except BaseException as exc:
+        failure = OptiqError(f"code optiq ran called sys.exit({exc.code!r}): the run stopped there") \
+            if isinstance(exc, SystemExit) else exc
+        with suppress(OptiqError):
+            keep("failed")
+        line = first_line(failure) if isinstance(failure, OptiqError) else f"{type(exc).__name__}: {first_line(exc)}"
+        _finish(run, "failed", error=line, **progress())
+        if failure is exc:
+            raise
+        raise failure from None
 
 
 def model_options(func):
     """--model, --dtype and --device, shared by every command that loads a model."""
-    func = click.option("--device", default=None, help="cuda or cpu (default: cuda when present).")(func)
-    func = click.option("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")(func)
-    func = click.option("--model", "model_spec", default=None,
+    func = click.option("--device", default=None, callback=_not_blank,
+                        help="cuda or cpu (default: cuda when present).")(func)
+    func = click.option("--dtype", default=None, callback=_not_blank,
+                        help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")(func)
+    func = click.option("--model", "model_spec", default=None, callback=_not_blank,
                         help="A preset name (see `optiq bench --help`) or a local checkpoint directory.")(func)
     return func
+
+
+def _not_blank(ctx, param, value):
+    """An empty --model, --dtype or --device (an unset shell variable) is a mistake, not a request for the
+    default."""
+    if value is not None and not value.strip():
+        raise OptiqError(f"{param.opts[0]} is empty; leave the flag out for its default")
+    return value
 
 
 recipes_dir_option = click.option("--recipes-dir", multiple=True, type=click.Path(file_okay=False),
@@ -144,7 +231,7 @@ class _SweepBar:
         self.progress, self.task, self.label = progress, task, label
 
     def start(self, variant: str, concurrency: int) -> None:
-        self.progress.update(self.task, description=f"{self.label} {variant} C={concurrency}")
+        self.progress.update(self.task, description=visible(f"{self.label} {variant} C={concurrency}"))
 
     def done(self) -> None:
         self.progress.advance(self.task)
@@ -152,30 +239,39 @@ class _SweepBar:
 
 @contextmanager
 def _sweep_bar(label: str, points: int):
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+    progress = Progress(TextColumn("{task.description}", markup=False), BarColumn(),
+                        TextColumn("{task.completed}/{task.total}"),
                         TimeElapsedColumn(), console=err, transient=True)
     with progress:
-        yield _SweepBar(progress, progress.add_task(label, total=points), label)
+        yield _SweepBar(progress, progress.add_task(visible(label), total=points), label)
 
 
 def console_hooks(save):
     """workflow.Hooks for a terminal: spinners and progress bars on stderr, ``save(record)`` after every step."""
     from optiq.workflow import Hooks
 
-    return Hooks(save=save, status=err.status, sweep=_sweep_bar, note=lambda line: err.print(f"note: {line}"))
+    return Hooks(save=save, status=status, sweep=_sweep_bar, note=lambda line: err.print(f"note: {visible(line)}"))
+
+
+def status(line: str):
+    """A spinner on stderr beside ``line`` (which may name a model, a path, recipes), shown as text."""
+    return err.status(Text(visible(line)))
 
 
 def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_len, new_tokens, max_len, repeats,
-            peers, requested, recipes_dirs, gate_steps, min_share, runs_dir, profile: bool, mutants: bool = False):
+            peers, requested, recipes_dirs, gate_steps, min_share, runs_dir, profile: bool, mutants: bool = False,
+            report: bool = False):
     """What ``apply-fusion`` and ``bench`` share around the workflow: the flags checked before any work, a run
-    directory, the record saved after every step, and how the run ends (exit 1 with the record marked failed, 130
-    interrupted, 3 when the gate rejected every recipe). Returns the record and the run directory."""
+    directory, the record saved after every step, with ``report`` the report rendered from it, and how the run ends
+    (exit 1 with the record marked failed, 130 interrupted, 3 when the gate rejected every recipe). Returns the
+    record, the run directory and the report's files (``report.Written``; None without ``report``)."""
     device, mode = resolve_device_and_mode(device, mode)  # first: it picks Triton's interpreter on the CPU
     from optiq.catalog.proposals import named_recipes
     from optiq.catalog.recipes import load_catalog
     from optiq.measure.sweep import check_workload
     from optiq.models import default_dtype, default_preset, resolve_dtype
     from optiq.record import RECORD_FILES, Workload
+    from optiq.report import write_report
     from optiq.rundir import RunDir, write_csv, write_json
     from optiq.workflow import Job, new_record, run
 
@@ -203,27 +299,22 @@ def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_l
     def points() -> int:
         return len(record.before) + len(record.after)
 
+    def keep(status: str) -> None:
+        record.status = status
+        save(record)  # once more: an interrupt may land between two files of a save
+
     import torch  # here, not at the top: --help and the trace commands start without it
 
-    try:
+    with run_ending(run_dir, lambda: f"{points()} point(s)", lambda: {"points_done": points()}, keep):
         try:
             run(job, record, run_dir.path, console_hooks(save))
         except torch.OutOfMemoryError as exc:  # what was measured before is kept, as for any failure
             raise OptiqError(f"out of device memory ({first_line(exc)[:80]}...); try a smaller --concurrency or "
                              "--max-len") from exc
-    except OptiqError:
-        record.status = "failed"
-        with suppress(OptiqError):  # what was measured is on disk already, and the error may be a full disk
-            save(record)
-        run_dir.finish("failed", points_done=points())
-        raise
-    except KeyboardInterrupt:
-        record.status = "incomplete"
-        save(record)  # once more: the interrupt may land between two files of a save
-        stop_interrupted(run_dir, f"{points()} point(s)", points_done=points())
-    save(record)
+        save(record)
+        written = write_report(run_dir.path, record) if report else None
     run_dir.finish(record.status, points_done=points())
-    return record, run_dir
+    return record, run_dir, written
 
 
 def exit_if_rejected(record) -> None:

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import click
 
-from optiq.commands.common import (err, model_options, out, parse_concurrency, print_json, recipes_dir_option,
-                                   resolve_device_and_mode, stop_interrupted, workload_defaults, workload_options)
+from optiq.commands.common import (SIZE, err, model_options, out, parse_concurrency, print_json, recipes_dir_option,
+                                   resolve_device_and_mode, run_ending, status, workload_defaults, workload_options)
+from optiq.text import visible
 
 
 @click.command()
 @model_options
 @workload_options(gpu_concurrency="1,64", new_tokens=False)
-@click.option("--steps", default=4, show_default=True, type=click.IntRange(1), help="Decode steps profiled.")
+@click.option("--steps", default=4, show_default=True, type=SIZE, help="Decode steps profiled.")
 @click.option("--mode", type=click.Choice(["eager", "graph"]), default=None,
               help="What is timed: eager steps, or CUDA-graph replays (default on CUDA; an annotated eager trace of "
                    "the same batch supplies the op linkage).")
 @click.option("--by", type=click.Choice(["class", "role", "kernel", "layer"]), default="class", show_default=True,
               help="Group GPU time by op class, module role, kernel or decoder layer.")
-@click.option("--top", default=3, show_default=True, type=click.IntRange(1), help="Top kernels / places per row.")
+@click.option("--top", default=3, show_default=True, type=SIZE, help="Top kernels / places per row.")
 @recipes_dir_option
 @click.option("--runs-dir", default="runs", show_default=True, help="Where the run directory is created.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
@@ -55,19 +56,18 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
     args = dict(model=model_spec, dtype=str(torch_dtype).removeprefix("torch."), concurrency=concurrencies,
                 mode=mode, prompt_len=prompt_len, max_len=max_len, steps=steps, by=by)
     run = RunDir(runs_dir, "profile", args)
-    write_json(run.path / "environment.json", asdict(environment(device)))
-    with err.status(f"loading {model_spec}"):
-        model = load_model(model_spec, torch_dtype, device)
-    if mode == "graph":
-        problem = graph_mode_problem(model)
-        if problem:
-            err.print(f"note: {problem}: profiled in eager mode")
-            mode = args["mode"] = "eager"
-
     results = []
-    try:
+    with run_ending(run, lambda: f"{len(results)} concurrency(ies)", lambda: {"concurrencies_done": len(results)}):
+        write_json(run.path / "environment.json", asdict(environment(device)))
+        with status(f"loading {model_spec}"):
+            model = load_model(model_spec, torch_dtype, device)
+        if mode == "graph":
+            problem = graph_mode_problem(model)
+            if problem:
+                err.print(f"note: {visible(problem)}: profiled in eager mode")
+                mode = args["mode"] = "eager"
         for batch in concurrencies:
-            with err.status(f"profiling {model_spec} C={batch} ({mode})"):
+            with status(f"profiling {model_spec} C={batch} ({mode})"):
                 timed = profile_step(model, batch, prompt_len, max_len, mode, run.path, steps)
                 attribution = attribute([timed], by, top)
                 proposals = propose(catalog, weighted_kernels([timed]), model.config.model_type)
@@ -79,13 +79,11 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
             if not as_json:
                 out.print(attribution_view(attribution, f"{model_spec} · C={batch} · {mode} · by {by}"))
                 for note in attribution.notes:
-                    out.print(f"  note: {note}")
+                    out.print(f"  note: {visible(note)}")
                 out.print(proposals_table(proposals, f"proposals · {model_spec} · C={batch}"))
             free_memory()
-    except KeyboardInterrupt:
-        stop_interrupted(run, f"{len(results)} concurrency(ies)", concurrencies_done=len(results))
     run.finish("complete", concurrencies_done=len(results))
     if as_json:
         print_json({"run_dir": str(run.path), "args": args, "results": results})
     else:
-        out.print(f"run directory: {run.path}")
+        out.print(f"run directory: {visible(run.path)}")

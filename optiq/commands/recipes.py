@@ -7,11 +7,13 @@ from dataclasses import asdict
 
 import click
 from rich.table import Table
+from rich.text import Text
 
 from optiq.catalog.recipes import TOLERANCES, load_catalog
-from optiq.commands.common import (err, model_options, out, parse_concurrency, print_json, recipes_dir_option,
-                                   resolve_device_and_mode, stop_interrupted)
+from optiq.commands.common import (SIZE, err, model_options, out, parse_concurrency, print_json, recipes_dir_option,
+                                   resolve_device_and_mode, run_ending, status)
 from optiq.errors import OptiqError
+from optiq.text import visible
 
 
 @click.group(invoke_without_command=True)
@@ -30,8 +32,9 @@ def recipes(ctx, recipes_dir, as_json):
     for column in ("recipe", "fixes (role: classes)", "kernels saved/layer", "tried on", "patches", "tolerance"):
         table.add_column(column, overflow="fold")
     for r in catalog.values():
-        table.add_row(r.name, f"{', '.join(r.roles)}: {', '.join(r.op_classes)}", str(r.kernels_saved_per_layer),
-                      _where(r), f"{r.patch_kind} {r.target_label}", r.tolerance)
+        table.add_row(*map(visible, (r.name, f"{', '.join(r.roles)}: {', '.join(r.op_classes)}",
+                                     r.kernels_saved_per_layer, _where(r), f"{r.patch_kind} {r.target_label}",
+                                     r.tolerance)))
     out.print(table)
 
 
@@ -55,13 +58,16 @@ def show(name, recipes_dir, as_json):
     if as_json:
         print_json(asdict(r))
         return
-    out.print(f"[bold]{r.name}[/bold] ({r.path})\n{r.summary}\n")
-    out.print(f"fixes      roles {', '.join(r.roles)}; op classes {', '.join(r.op_classes)}; aten ops "
-              f"{', '.join(r.aten_ops)}; saves {r.kernels_saved_per_layer} kernels per layer")
-    out.print(f"tried on   {_where(r)}")
-    out.print(f"patches    {r.patch_kind}: {r.target_label} with {r.patch_with}")
-    out.print(f"fusion     {r.fusion}")
-    out.print(f"tolerance  {r.tolerance}: {TOLERANCES[r.tolerance]}")
+    out.print(Text.assemble((visible(r.name), "bold"), f" ({visible(r.path)})"))
+    out.print(f"{visible(r.summary, limit=None)}\n")
+    for label, line in (
+            ("fixes", f"roles {', '.join(r.roles)}; op classes {', '.join(r.op_classes)}; aten ops "
+                      f"{', '.join(r.aten_ops)}; saves {r.kernels_saved_per_layer} kernels per layer"),
+            ("tried on", _where(r)),
+            ("patches", f"{r.patch_kind}: {r.target_label} with {r.patch_with}"),
+            ("fusion", r.fusion),
+            ("tolerance", f"{r.tolerance}: {TOLERANCES[r.tolerance]}")):
+        out.print(f"{label:<10} {visible(line, limit=None)}")
 
 
 @recipes.command()
@@ -69,10 +75,10 @@ def show(name, recipes_dir, as_json):
 @model_options
 @click.option("--concurrency", default=None, help="Batch sizes the gate checks at, comma-separated (default 1,16,64 "
                                                   "on CUDA, 1,2 on CPU).")
-@click.option("--prompt-len", default=None, type=int, help="Prompt tokens (default 512 on CUDA, 16 on CPU).")
-@click.option("--max-len", default=None, type=int, help="The longest context the sites are checked at (default 1024 "
-                                                        "on CUDA, 64 on CPU).")
-@click.option("--gate-steps", default=None, type=click.IntRange(1),
+@click.option("--prompt-len", default=None, type=SIZE, help="Prompt tokens (default 512 on CUDA, 16 on CPU).")
+@click.option("--max-len", default=None, type=SIZE, help="The longest context the sites are checked at (default 1024 "
+                                                         "on CUDA, 64 on CPU).")
+@click.option("--gate-steps", default=None, type=SIZE,
               help="Teacher-forced decode steps of the end-to-end check (default 64 on CUDA, 16 on CPU).")
 @click.option("--mutants", "with_mutants", is_flag=True,
               help="Also gate every mutant of each recipe's kernel and print the mutation score.")
@@ -101,7 +107,7 @@ def verify(names, model_spec, dtype, device, concurrency, prompt_len, max_len, g
     catalog = load_catalog(recipes_dir)
     chosen = [catalog[n] for n in named_recipes(",".join(names), catalog)] if names else list(catalog.values())
     gpu = device.type == "cuda"
-    concurrencies = parse_concurrency(concurrency or ("1,16,64" if gpu else "1,2"))
+    concurrencies = parse_concurrency(("1,16,64" if gpu else "1,2") if concurrency is None else concurrency)
     prompt_len = prompt_len or (512 if gpu else 16)
     max_len = max_len or (1024 if gpu else 64)
     gate_steps = gate_steps or (64 if gpu else 16)
@@ -112,7 +118,7 @@ def verify(names, model_spec, dtype, device, concurrency, prompt_len, max_len, g
     torch_dtype = resolve_dtype(dtype or default_dtype(device), device)
     args = dict(model=model_spec, dtype=str(torch_dtype).removeprefix("torch."), recipes=[r.name for r in chosen],
                 mutants=with_mutants, **vars(plan))
-    with err.status(f"loading {model_spec}"):  # before the run directory: a model that cannot load leaves none
+    with status(f"loading {model_spec}"):  # before the run directory: a model that cannot load leaves none
         model = load_model(model_spec, torch_dtype, device)
     run = RunDir(runs_dir, "verify", args)
     results: dict = {}
@@ -125,21 +131,19 @@ def verify(names, model_spec, dtype, device, concurrency, prompt_len, max_len, g
         results[name] = result
         write_json(run.path / "verify.json", document())
 
-    try:
-        with err.status("gating") as status:
+    with run_ending(run, lambda: f"{len(results)} recipe(s)", lambda: {"recipes_done": len(results)}):
+        with status("gating") as spinner:
             def progress(line: str) -> None:
-                status.update(line)
-                err.print(line, highlight=False)
+                spinner.update(Text(visible(line)))
+                err.print(visible(line), highlight=False)
 
             verify_recipes(model, chosen, plan, with_mutants, progress, done=save)
-    except KeyboardInterrupt:
-        stop_interrupted(run, f"{len(results)} recipe(s)", recipes_done=len(results))
     run.finish("complete", recipes_done=len(results))
     if as_json:
         print_json({"run_dir": str(run.path), **document()})
     else:
         out.print(mutation_table(results, f"optiq recipes verify · {model_spec} · {args['dtype']}"))
-        out.print(f"run directory: {run.path}")
+        out.print(f"run directory: {visible(run.path)}")
     survived = sum(len(r.summary().survived) for r in results.values() if not isinstance(r, str))
     rejected = [n for n, r in results.items() if not isinstance(r, str) and r.real != "passed"]
     if survived or rejected:

@@ -8,14 +8,16 @@ import click
 
 from optiq.commands.common import err, out, print_json
 from optiq.commands.views import rich_table
+from optiq.errors import OptiqError
 from optiq.record import RunRecord
 from optiq.report import (Written, compare_document, compare_runs, gate_table, headline, headline_table, load_report,
                           write_document, write_report)
+from optiq.text import visible
 
 
 def _written(written: Written) -> str:
     if written.note:
-        err.print(f"note: {written.note}", soft_wrap=True)
+        err.print(f"note: {visible(written.note)}", soft_wrap=True)
     return ", ".join(map(str, written.paths))
 
 
@@ -53,7 +55,7 @@ def _render(run: Path, record: RunRecord, as_json: bool) -> None:
         return
     out.print(rich_table(headline_table(record)))
     out.print(rich_table(gate_table(record)))
-    out.print(f"status: {record.status} · written: {written}")
+    out.print(f"status: {visible(record.status)} · written: {visible(written, limit=None)}")
 
 
 def _compare(runs: tuple[Path, Path], reports: list[RunRecord], out_dir: Path | None, as_json: bool) -> None:
@@ -61,11 +63,15 @@ def _compare(runs: tuple[Path, Path], reports: list[RunRecord], out_dir: Path | 
     doc = compare_document(a, b, name_a, name_b)
     written = ""
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OptiqError(f"cannot create {out_dir}: {exc.strerror or exc}") from None
         written = _written(write_document(out_dir, "compare", doc))
     if as_json:
         print_json({"run_a": str(runs[0]), "run_b": str(runs[1]), **compare_runs(a, b), "written": written})
         return
     for table in doc.tables:
         out.print(rich_table(table))
-    out.print(f"A = {runs[0]}, B = {runs[1]}" + (f" · written: {written}" if written else ""))
+    out.print(f"A = {visible(runs[0])}, B = {visible(runs[1])}" + (f" · written: {visible(written, limit=None)}"
+                                                                  if written else ""))
