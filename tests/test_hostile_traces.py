@@ -176,7 +176,7 @@ def test_more_events_than_the_limit_is_a_clear_error(tmp_path):
 
 
 def test_the_event_limit_stops_the_cli_in_bounded_time(tmp_path):
-    """Past the event limit (3 M by default, ~10 s of parsing; OPTIQ_MAX_TRACE_EVENTS sets it, here small) the read
+    """Past the event limit (10 M by default; OPTIQ_MAX_TRACE_EVENTS sets it, here small) the read
     stops with the limit named, whatever follows: the trace goes on for 25 times the limit."""
     path = tmp_path / "many.json.gz"
     block = ",".join(json.dumps(kernel(float(i), corr=i)) for i in range(1000)).encode()

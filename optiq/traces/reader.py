@@ -58,13 +58,14 @@ GRAPH_LAUNCH = "cudaGraphLaunch"
 @dataclass(frozen=True)
 class ReadLimits:
     """How much of a trace optiq will read. Real traces sit below each: Kineto nests 6 deep, its longest names are C++
-    signatures of a few kB, optiq's own traces hold well under a million events (a 1 GB vLLM one, about 4 M: set
-    OPTIQ_MAX_TRACE_EVENTS for it). ``max_events`` bounds the time (ijson parses ~300 k events a second, checks
-    included, so 3 M is ~10 s); the others bound memory."""
+    signatures of a few kB, optiq's own traces hold well under a million events, a 1 GB vLLM one about 4 M and the
+    2 GB trace of issue 7 about 7.3 M. ``max_events`` (10 M unless OPTIQ_MAX_TRACE_EVENTS says otherwise) bounds the
+    time of a plain file (ijson parses ~300 k events a second, checks included); a compressed one that repeats an
+    event millions of times inflates past ``max_inflation`` first. The others bound memory."""
 
     max_depth: int = 100
     max_token: int = 16 << 20  # bytes in one string or number
-    max_events: int | None = None  # None: OPTIQ_MAX_TRACE_EVENTS, else 3 M
+    max_events: int | None = None  # None: OPTIQ_MAX_TRACE_EVENTS, else 10 M
     max_name_bytes: int = 16 << 20  # the distinct names (kernels, ops, markers, threads) kept, together
     max_inflation: int = 250  # bytes a compressed byte may inflate to (real traces: under 40), past the first...
     inflation_free: int = 64 << 20  # ...this many bytes inflated: a gzip bomb is refused in seconds, not after GBs
@@ -75,7 +76,7 @@ class ReadLimits:
             return self
         text = os.environ.get(EVENTS_VARIABLE)
         if text is None:
-            return replace(self, max_events=3_000_000)
+            return replace(self, max_events=10_000_000)
         if not text.strip().isdecimal() or int(text) < 1:
             raise OptiqError(f"{EVENTS_VARIABLE} must be a positive whole number of events, not {text!r}")
         return replace(self, max_events=int(text))
