@@ -127,7 +127,8 @@ def _no_unknown_keys(path: Path, table: dict, where: str) -> None:
     for key in table:
         if key not in KNOWN_KEYS[where]:
             close = difflib.get_close_matches(str(key), KNOWN_KEYS[where], n=1)
-            hint = f"; did you mean '{where}{close[0]}'?" if close else f"; known: {', '.join(sorted(KNOWN_KEYS[where]))}"
+            hint = (f"; did you mean '{where}{close[0]}'?" if close else
+                    f"; known: {', '.join(sorted(KNOWN_KEYS[where]))}")
             raise OptiqError(f"{path}: unknown recipe field '{where}{_shown(key)[1:-1]}'{hint}")
 
 

@@ -92,15 +92,17 @@ def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], whe
                             runs = [tensors(fused(*fresh(args), **fresh(kwargs))) for _ in range(2)]
                         problem = next(filter(None, (unlike(r, unfused) for r in runs)), "")
                         if problem:
-                            return CallErrors(label, math.nan, [math.inf], 0.0, False, f"the fused path {problem}"), want
+                            return CallErrors(label, math.nan, [math.inf], 0.0, False,
+                                              f"the fused path {problem}"), want
                         err_unfused = error(unfused, want)
-                        exact_match = all(error(r, unfused) == 0.0 and all(torch.equal(x, y) for x, y in zip(r, unfused))
-                                          for r in runs)
+                        exact_match = all(error(r, unfused) == 0.0 and all(torch.equal(x, y)
+                                                                           for x, y in zip(r, unfused)) for r in runs)
                         err_runs = [error(r, want) for r in runs]
                     except FAILURES as exc:  # a user's kernel may fail in any way; the recipe fails, the run goes on
                         return CallErrors(label, math.nan, [math.inf], 0.0, False,
                                           f"the fused path {describe(exc)}"), want
-                    return CallErrors(label, err_unfused, err_runs, site_bound(tolerance, err_unfused), exact_match), want
+                    bound = site_bound(tolerance, err_unfused)
+                    return CallErrors(label, err_unfused, err_runs, bound, exact_match), want
 
                 for number, (args, kwargs) in enumerate(calls, 1):
                     errors, want = run(f"{site.label} (call {number}{where})", args, kwargs)

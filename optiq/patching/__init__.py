@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from optiq.errors import OptiqError
 from optiq.patching.changes import Change, Site
 from optiq.patching.kinds import KINDS
-from optiq.patching.user_code import FAILURES, IMPORT_SECONDS, deadline, describe
+from optiq.patching.user_code import FAILURES, IMPORT_SECONDS, deadline, describe, seconds_allowed
 
 if TYPE_CHECKING:
     import torch
@@ -50,11 +50,11 @@ class Applied:
 
 
 def resolve(recipe: Recipe, field_name: str, path: str) -> Callable:
-    """Import ``package.module:name`` (within IMPORT_SECONDS); failure names the recipe, the field, the path and what
-    went wrong, in one line."""
+    """Import ``package.module:name`` (within IMPORT_SECONDS, or the fixed timeout); failure names the recipe, the
+    field, the path and what went wrong, in one line."""
     module_name, _, attribute = path.partition(":")
     try:
-        with deadline(IMPORT_SECONDS):
+        with deadline(seconds_allowed(IMPORT_SECONDS)):
             module = importlib.import_module(module_name)
             target = getattr(module, attribute, None)
     except FAILURES as exc:
@@ -127,14 +127,14 @@ class Patches:
         failed (then none of its changes stays)."""
         recipe = applied.recipe
         try:
-            with deadline(IMPORT_SECONDS):
+            with deadline(seconds_allowed(IMPORT_SECONDS)):
                 sites = applied.kind.sites(self.model, recipe, applied.fusion, applied.factory)
                 for site in sites:
                     change = site.bind(site.replacement)
                     change.redo()
                     applied.changes.append(change)
                     applied.sites.append(site)
-        except ValueError as exc:  # the kind's own: the model is outside what it patches (a factory's is UserCodeFailed)
+        except ValueError as exc:  # the kind's own: a model outside what it patches (a factory's is UserCodeFailed)
             self.not_applicable[recipe.name] = str(exc)
             return
         except FAILURES as exc:
