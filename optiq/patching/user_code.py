@@ -58,11 +58,14 @@ _armed = threading.local()
 
 def describe(exc: BaseException) -> str:
     """What user code did, as a phrase of at most 300 characters to follow its name: "raised TypeError: ...",
-    "called sys.exit(0)", "did not return within 5 s"; a UserCodeFailed is a whole sentence already."""
+    "called sys.exit(0)", "did not return within 5 s", "failed: <an OptiqError's line>"; a UserCodeFailed is a whole
+    sentence already."""
     if isinstance(exc, (DeadlineExceeded, UserCodeFailed)):
         return str(exc)
     if isinstance(exc, SystemExit):
         return f"called sys.exit({exc.code!r})"[:300]
+    if isinstance(exc, OptiqError):  # optiq's own one-line report of what the code did (the engine's, say)
+        return f"failed: {first_line(exc)}"[:300]
     return f"raised {type(exc).__name__}: {first_line(exc)}"[:300]
 
 
