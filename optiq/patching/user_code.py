@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from optiq.errors import OptiqError, first_line
 
 IMPORT_SECONDS = 10.0  # a fusion module's import or a factory's call (compiles nothing, so no device's floor)
-FLOOR_SECONDS = {"cuda": 60.0, "cpu": 5.0}  # a kernel call, or a patched decode, at the least
+FLOOR_SECONDS = {"cuda": 60.0, "cpu": 3.0}  # a kernel call, or a patched decode, at the least
 SLOWDOWN = 1000.0  # ... plus this many times what the original path took on the same inputs
 TIMEOUT_VARIABLE = "OPTIQ_USER_CODE_TIMEOUT_S"
 
