@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wrong_kernels import user_recipe
 
-from optiq.catalog.recipes import MAX_RECIPE_BYTES, load_catalog
+from optiq.catalog.recipes import MAX_RECIPE_BYTES, MAX_RECIPE_FILES, load_catalog
 from optiq.cli import cli
 from optiq.errors import EXIT_GATE_REJECTED_ALL, OptiqError
 from optiq.gate import GatePlan, validate
@@ -121,6 +121,13 @@ def test_deep_nesting_large_and_undecodable_files_are_one_line(tmp_path):
     (tmp_path / "d" / "mine.toml").write_bytes(b"name = \"\xff\"\n")
     with pytest.raises(OptiqError, match="not UTF-8 text"):
         load_catalog([str(tmp_path / "d")])
+
+
+def test_a_directory_of_too_many_recipe_files_is_refused_before_reading_them(tmp_path):
+    for number in range(MAX_RECIPE_FILES + 1):
+        (tmp_path / f"r{number}.toml").touch()
+    with pytest.raises(OptiqError, match=f"{MAX_RECIPE_FILES + 1} recipe files; .* at most {MAX_RECIPE_FILES}"):
+        load_catalog([str(tmp_path)])
 
 
 def test_a_fifo_named_toml_is_refused_without_being_opened(tmp_path):

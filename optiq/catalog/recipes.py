@@ -7,8 +7,9 @@ it does not know is refused (with the known key it is closest to: ``tolerence`` 
 default), and so is a name ``--recipes`` could not ask for ("", "a,b", "auto", spaces, brackets). A recipe name is
 taken once across all directories; a user recipe takes a built-in's place only when it says so, with ``replaces =
 "<built-in name>"`` (it may keep that name or take another), never by sharing a name by accident. Only regular files
-are read, and at most ``MAX_RECIPE_BYTES`` of one: a FIFO or device named ``*.toml`` is refused without being opened,
-and a file nested too deep for the TOML parser is one line, not a RecursionError.
+are read, at most ``MAX_RECIPE_FILES`` of a directory and ``MAX_RECIPE_BYTES`` of a file: a FIFO or device named
+``*.toml`` is refused without being opened, and a file nested too deep for the TOML parser is one line, not a
+RecursionError.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ TOLERANCES = {
 RECIPE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 RESERVED_NAMES = {"auto"}
 MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of TOML; the built-ins are about 1 KB
+MAX_RECIPE_FILES = 1000  # in one directory: a catalog is a few dozen, and each file is read and checked
 # Every key a recipe file may hold, per table: [patch] takes the target field of any kind (which one is checked with
 # the kind).
 KNOWN_KEYS = {
@@ -234,7 +236,11 @@ def load_catalog(extra_dirs: list[str] | tuple[str, ...] = ()) -> dict[str, Reci
     for directory in dict.fromkeys(map(Path, extra_dirs)):  # the same directory twice is read once
         if not directory.is_dir():
             raise OptiqError(f"{directory}: recipes directory not found")
-        for path in sorted(directory.glob("*.toml")):
+        paths = sorted(directory.glob("*.toml"))
+        if len(paths) > MAX_RECIPE_FILES:
+            raise OptiqError(f"{directory}: {len(paths)} recipe files; a recipes directory holds at most "
+                             f"{MAX_RECIPE_FILES}")
+        for path in paths:
             recipe = parse_recipe(path)
             for name in dict.fromkeys((recipe.name, recipe.replaces) if recipe.replaces else (recipe.name,)):
                 if name in seen:
