@@ -76,4 +76,9 @@ def factory_that_exits(module, fusion):
     raise SystemExit(2)
 
 
+def factory_that_hangs(module, fusion):
+    while True:
+        time.sleep(1)
+
+
 not_callable = 42

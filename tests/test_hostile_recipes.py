@@ -189,8 +189,11 @@ def test_a_factory_of_the_wrong_signature_is_found_before_any_model(tmp_path, fa
 @pytest.mark.parametrize("factory, message", [
     ("hostile_kernels:raising_factory", "raised ValueError: cannot patch LlamaRMSNorm"),
     ("hostile_kernels:factory_that_exits", "called sys.exit\\(2\\)"),
+    ("hostile_kernels:factory_that_hangs", "did not return within 1 s"),
 ])
-def test_a_factory_that_fails_is_that_recipes_rejection_and_changes_nothing(tmp_path, model, factory, message):
+def test_a_factory_that_fails_is_that_recipes_rejection_and_changes_nothing(tmp_path, monkeypatch, model, factory,
+                                                                          message):
+    monkeypatch.setenv(TIMEOUT_VARIABLE, "1")
     recipe = user_recipe(tmp_path, "rmsnorm", "mine", with_=factory)
     patches = apply(model, [recipe, load_catalog()["greedy_sample"]])
     assert list(patches.applied) == ["greedy_sample"] and "mine" not in patches.not_applicable

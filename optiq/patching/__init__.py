@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from optiq.errors import OptiqError
 from optiq.patching.changes import Change, Site
 from optiq.patching.kinds import KINDS
-from optiq.patching.user_code import FAILURES, IMPORT_SECONDS, deadline, describe, seconds_allowed
+from optiq.patching.user_code import FAILURES, IMPORT_SECONDS, build_deadline, deadline, describe, seconds_allowed
 
 if TYPE_CHECKING:
     import torch
@@ -127,7 +127,7 @@ class Patches:
         failed (then none of its changes stays)."""
         recipe = applied.recipe
         try:
-            with deadline(seconds_allowed(IMPORT_SECONDS)):
+            with deadline(build_deadline(sum(p.numel() for p in self.model.parameters()))):
                 sites = applied.kind.sites(self.model, recipe, applied.fusion, applied.factory)
                 for site in sites:
                     change = site.bind(site.replacement)

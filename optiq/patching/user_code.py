@@ -13,10 +13,11 @@ that never returns (a GPU kernel spinning forever blocks the host in a synchroni
 returns, in this thread or any other, short of killing the process. Off the main thread (where signals cannot be
 delivered) or on a platform without setitimer, the block runs without a deadline.
 
-How long is too long (``call_deadline``): a floor (a GPU's first call of a Triton kernel compiles it, autotuning
-included; a CPU has only the interpreter's overhead) plus ``SLOWDOWN`` times what the original path took on the
-same inputs, so that larger models get proportionally longer; ``OPTIQ_USER_CODE_TIMEOUT_S`` sets a fixed number of
-seconds instead.
+How long is too long: an import, IMPORT_SECONDS; building a recipe's replacements, that and more for a larger model
+(``build_deadline``); a kernel call or a patched decode (``call_deadline``), a floor (a GPU's first call of a Triton
+kernel compiles it, autotuning included; a CPU has only the interpreter's overhead) plus ``SLOWDOWN`` times what the
+original path took on the same inputs, so that larger models get proportionally longer. ``OPTIQ_USER_CODE_TIMEOUT_S``
+sets one fixed number of seconds for all of them instead.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from contextlib import contextmanager
 
 from optiq.errors import OptiqError, first_line
 
-IMPORT_SECONDS = 10.0  # a fusion module's import or a factory's call (compiles nothing, so no device's floor)
+IMPORT_SECONDS = 10.0  # a fusion module's import (it compiles nothing, so no device's floor) ...
+BUILD_SECONDS_PER_BILLION = 10.0  # ... and a recipe's factories over a model, plus this per billion parameters
 FLOOR_SECONDS = {"cuda": 60.0, "cpu": 3.0}  # a kernel call, or a patched decode, at the least
 SLOWDOWN = 1000.0  # ... plus this many times what the original path took on the same inputs
 TIMEOUT_VARIABLE = "OPTIQ_USER_CODE_TIMEOUT_S"
@@ -81,6 +83,12 @@ def seconds_allowed(floor: float, original_seconds: float = 0.0) -> float:
             raise OptiqError(f"{TIMEOUT_VARIABLE} must be a positive number of seconds, not '{fixed}'")
         return seconds
     return floor + SLOWDOWN * original_seconds
+
+
+def build_deadline(parameters: int) -> float:
+    """The deadline of building one recipe's replacements over a model of ``parameters`` parameters (factories that
+    concatenate or restack weights take time in proportion)."""
+    return seconds_allowed(IMPORT_SECONDS + BUILD_SECONDS_PER_BILLION * parameters / 1e9)
 
 
 def call_deadline(device_type: str, original_seconds: float) -> float:
