@@ -328,13 +328,26 @@ def test_auto_leaves_a_broken_user_recipe_out_and_goes_on(tmp_path, monkeypatch)
     monkeypatch.syspath_prepend(str(tmp_path / "code"))
     module_file(tmp_path / "code", "raising_fusion", "raise ImportError('needs a newer triton')\n")
     user_recipe(tmp_path / "d", "rmsnorm", "broken", fusion="raising_fusion:rmsnorm")
-    result = CliRunner().invoke(cli, ["apply-fusion", "--recipes-dir", str(tmp_path / "d"), *SMALL, "--runs-dir",
+    result = CliRunner().invoke(cli, ["apply-fusion", "--recipes-dir", str(tmp_path / "d"), *SMALL, "--min-share", "30",
+                                      "--runs-dir",
                                       str(tmp_path / "runs")])
     assert result.exit_code == 0, result.output
     fusion = json.loads(result.stdout)["fusion"]
     assert "broken" in fusion["rolled_back"] and "broken" not in fusion["applied"] and fusion["applied"]
     assert "needs a newer triton" in fusion["gate"]["recipes"]["broken"]["reason"]
     assert all(p["recipe"] != "broken" for ps in fusion["proposals"].values() for p in ps)
+
+
+def test_recipes_verify_counts_a_recipe_whose_code_fails_as_its_real_kernel_rejected(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    module_file(tmp_path / "code", "exiting_fusion", "import sys\nsys.exit(0)\n")
+    user_recipe(tmp_path / "d", "rmsnorm", "broken", fusion="exiting_fusion:rmsnorm")
+    result = CliRunner().invoke(cli, ["recipes", "verify", "broken", "--recipes-dir", str(tmp_path / "d"), "--model",
+                                      "tiny-llama", "--concurrency", "1", "--prompt-len", "8", "--max-len", "32",
+                                      "--gate-steps", "2", "--json", "--runs-dir", str(tmp_path / "runs")])
+    assert result.exit_code == 1 and "real kernels rejected: broken" in result.stderr, result.output
+    real = json.loads(result.stdout)["recipes"]["broken"]["real"]
+    assert "importing exiting_fusion called sys.exit(0)" in real
 
 
 # Fuzzing ------------------------------------------------------------------------------------------------------------
