@@ -279,7 +279,7 @@ def test_the_deadline_ends_code_that_catches_the_first_alarm():
     time.sleep(0.3)
 
 
-# Through the CLI --------------------------------------------------------------------------------------------------------
+# Through the CLI --------------------------------------------------------------------------------------------------
 
 def run_cli(tmp_path, *args, env=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "optiq", *args], capture_output=True, text=True, timeout=timeout,

@@ -166,7 +166,8 @@ def _read_text(path: Path | Traversable) -> str:
 def _import_path(path: Path, value: str, where: str) -> str:
     module, _, attribute = value.partition(":")
     if not module or not attribute or not all(part.isidentifier() for part in [*module.split("."), attribute]):
-        raise OptiqError(f"{path}: recipe field '{where}' must be an import path 'package.module:name', not '{value}'")
+        raise OptiqError(f"{path}: recipe field '{where}' must be an import path 'package.module:name', not "
+                         f"{_shown(value)}")
     return value
 
 
@@ -186,7 +187,8 @@ def parse_recipe(path: Path | Traversable) -> Recipe:
     _no_unknown_keys(path, patch, "patch.")
     tolerance = _field(path, data, "tolerance", str)
     if tolerance not in TOLERANCES:
-        raise OptiqError(f"{path}: recipe field 'tolerance' must be one of {', '.join(TOLERANCES)}, not '{tolerance}'")
+        raise OptiqError(f"{path}: recipe field 'tolerance' must be one of {', '.join(TOLERANCES)}, not "
+                         f"{_shown(tolerance)}")
     op_classes = _field(path, fixes, "op_classes", list, "fixes.")
     unknown = sorted(set(op_classes) - set(CLASSES))
     if unknown:
@@ -197,7 +199,7 @@ def parse_recipe(path: Path | Traversable) -> Recipe:
         raise OptiqError(f"{path}: recipe field 'fixes.kernels_saved_per_layer' must be >= 0")
     kind = _field(path, patch, "kind", str, "patch.")
     if kind not in KINDS:
-        raise OptiqError(f"{path}: recipe field 'patch.kind' must be one of {', '.join(KINDS)}, not '{kind}'")
+        raise OptiqError(f"{path}: recipe field 'patch.kind' must be one of {', '.join(KINDS)}, not {_shown(kind)}")
     target = _field(path, patch, KINDS[kind].target_field, list if KINDS[kind].many_targets else str, "patch.")
     names = _field(path, patch, "names", list, "patch.") if "names" in patch else ()
     if names and not KINDS[kind].narrows_by_name:
@@ -205,7 +207,7 @@ def parse_recipe(path: Path | Traversable) -> Recipe:
     structure = _field(path, patch, "structure", str, "patch.") if "structure" in patch else ""
     if structure and (kind != "module_forward" or structure not in STRUCTURES):
         raise OptiqError(f"{path}: recipe field 'patch.structure' must be one of {', '.join(STRUCTURES)} on a "
-                         f"module_forward patch, not '{structure}' on '{kind}'")
+                         f"module_forward patch, not {_shown(structure)} on '{kind}'")
     others = sorted({k.target_field for k in KINDS.values()} - {KINDS[kind].target_field} & set(patch))
     if others:
         raise OptiqError(f"{path}: recipe field 'patch.{others[0]}' names another kind's target; a '{kind}' patch "
