@@ -63,7 +63,7 @@ def refused(tmp_path, text: str, message: str, name: str = "mine"):
     assert "\n" not in str(info.value)
 
 
-# The loader ----------------------------------------------------------------------------------------------------------
+# The loader -----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("line, message", [
     ('tolerence = "exact"', "unknown recipe field 'tolerence'; did you mean 'tolerance'\\?"),
@@ -140,7 +140,7 @@ def test_a_fifo_named_toml_is_refused_without_being_opened(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-# A recipe's code ----------------------------------------------------------------------------------------------------
+# A recipe's code ------------------------------------------------------------------------------------------------------
 
 def module_file(directory: Path, name: str, source: str) -> str:
     directory.mkdir(parents=True, exist_ok=True)
@@ -279,7 +279,7 @@ def test_the_deadline_ends_code_that_catches_the_first_alarm():
     time.sleep(0.3)
 
 
-# Through the CLI --------------------------------------------------------------------------------------------------
+# Through the CLI ------------------------------------------------------------------------------------------------------
 
 def run_cli(tmp_path, *args, env=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "optiq", *args], capture_output=True, text=True, timeout=timeout,
@@ -350,7 +350,7 @@ def test_recipes_verify_counts_a_recipe_whose_code_fails_as_its_real_kernel_reje
     assert "importing exiting_fusion called sys.exit(0)" in real
 
 
-# Fuzzing ------------------------------------------------------------------------------------------------------------
+# Fuzzing --------------------------------------------------------------------------------------------------------------
 
 def toml_key(key: str) -> str:
     return json.dumps(key)  # a quoted key, any characters
