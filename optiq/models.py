@@ -14,10 +14,10 @@ A checkpoint directory is checked before anything is built from it (``checkpoint
 problem one line: config.json must be a regular file of UTF-8 JSON holding an object of at most
 ``MAX_CONFIG_BYTES``; its ``model_type`` one transformers knows as a decoder-only text model (an encoder such as
 BERT, an encoder-decoder or a vision model is refused, saying which it is); no ``auto_map``, since optiq never runs
-a checkpoint's own code; every field of the type its config class gives it; at most ``MAX_LAYERS`` layers; a model
-that builds (on the meta device, allocating nothing); and safetensors weights that are whole (the header's tensors
-all within the file) and hold at least the model's parameters, so that a truncated or mismatched file is not
-loaded half random.
+a checkpoint's own code; every field of the type its config class gives it; at most ``MAX_LAYERS`` layers and
+``MAX_EXPERTS`` experts; a model that builds (on the meta device, allocating nothing); and safetensors weights that
+are whole (the header's tensors all within the file) and hold at least the model's parameters, so that a truncated
+or mismatched file is not loaded half random.
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ SEED = 0
 MAX_CONFIG_BYTES = 16 << 20  # the largest config.json read: real ones are a few KB (a label map makes some ~1 MB)
 MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on a file's JSON header
 MAX_LAYERS = 1024  # the deepest model a config may describe (the largest published ones have ~200 layers)
+MAX_EXPERTS = 4096  # routed experts a layer (published MoEs have up to a few hundred)
 CONSTANT_SPREAD = 0.1  # relative spread of a redrawn nonzero constant: norm weights in about 0.7..1.3
 ZERO_SPREAD = 0.02  # absolute spread of a redrawn zero, as transformers' initializer_range draws weights
 
@@ -254,6 +255,9 @@ def checkpoint_config(path: Path):
     layers = zoo.config_value(config, "num_hidden_layers")
     if not isinstance(layers, int) or not 0 < layers <= MAX_LAYERS:
         raise OptiqError(f"{file}: num_hidden_layers must be an integer from 1 to {MAX_LAYERS}, not {layers!r}")
+    experts = zoo.config_value(config, "num_experts", "num_local_experts", "n_routed_experts")
+    if experts is not None and not (isinstance(experts, int) and experts <= MAX_EXPERTS):
+        raise OptiqError(f"{file}: the number of experts must be an integer up to {MAX_EXPERTS}, not {experts!r}")
     return config
 
 

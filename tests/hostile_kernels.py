@@ -81,4 +81,8 @@ def factory_that_hangs(module, fusion):
         time.sleep(1)
 
 
+def factory_returning_none(module, fusion):
+    return None
+
+
 not_callable = 42

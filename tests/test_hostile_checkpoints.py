@@ -89,6 +89,7 @@ def test_a_broken_config_json_is_one_line(llama_checkpoint, tmp_path, config_tex
     ({"model_type": "t5"}, "'t5' is not a causal language model"),
     ({"model_type": "gemma3"}, "'gemma3' wraps a text model in a multimodal one"),
     ({"hidden_size": 4096}, "its weights hold [0-9,]+ values, but its config.json describes a model of"),
+    ({"model_type": "qwen3_moe", "num_experts": 10 ** 6}, "the number of experts must be an integer up to 4096"),
 ])
 def test_a_config_of_the_wrong_kind_or_type_is_refused_up_front(llama_checkpoint, tmp_path, fields, message):
     refused(variant(llama_checkpoint, tmp_path, edited_config(llama_checkpoint, **fields)), message)
@@ -110,6 +111,11 @@ def test_a_config_that_is_no_regular_file_is_never_opened(llama_checkpoint, tmp_
     (tmp_path / "model.safetensors").write_bytes((llama_checkpoint / "model.safetensors").read_bytes())
     os.mkfifo(tmp_path / "config.json")  # opening it for reading would wait for a writer forever
     refused(tmp_path, "config.json is not a regular file")
+
+
+def test_a_checkpoint_without_weights_is_one_line(llama_checkpoint, tmp_path):
+    (tmp_path / "config.json").write_bytes((llama_checkpoint / "config.json").read_bytes())
+    refused(tmp_path, f"cannot load checkpoint {tmp_path}: ")
 
 
 def test_empty_model_spec_is_not_the_working_directory():

@@ -5,6 +5,7 @@ are fuzzed (fields, types, names, nesting depth and size)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from optiq.gate import GatePlan, validate
 from optiq.gate.end_to_end import baselines, check_end_to_end
 from optiq.models import load_model
 from optiq.patching import apply, broken, unpatch
+from optiq.patching import user_code
 from optiq.patching.user_code import TIMEOUT_VARIABLE, DeadlineExceeded, deadline
 
 FAST = {"concurrencies": (1, 2), "steps": 3, "prompt_len": 5}
@@ -159,15 +161,15 @@ def module_file(directory: Path, name: str, source: str) -> str:
 def test_a_fusion_module_that_does_not_import_is_that_recipes_failure(tmp_path, monkeypatch, model, source, attribute,
                                                                       message):
     monkeypatch.syspath_prepend(str(tmp_path / "code"))
-    monkeypatch.setenv(TIMEOUT_VARIABLE, "1")
     module = module_file(tmp_path / "code", f"user_fusion_{abs(hash(source))}", source)
     recipe = user_recipe(tmp_path / "d", "rmsnorm", "mine", fusion=f"{module}:{attribute}")
+    monkeypatch.setattr(user_code, "IMPORT_SECONDS", 1.0)
     started = time.perf_counter()
     found = broken([recipe, load_catalog()["greedy_sample"]])
     assert list(found) == ["mine"] and time.perf_counter() - started < 10
-    assert found["mine"].startswith(f"recipe 'mine': fusion '{module}:{attribute}' ")
-    assert __import__("re").search(message.format(module=module), found["mine"]), found["mine"]
     patches = apply(model, [recipe, load_catalog()["greedy_sample"]])
+    assert found["mine"].startswith(f"recipe 'mine': fusion '{module}:{attribute}' ")
+    assert re.search(message.format(module=module), found["mine"]), found["mine"]
     try:
         report = validate(patches, GatePlan(**FAST))
     finally:
@@ -183,17 +185,18 @@ def test_a_fusion_module_that_does_not_import_is_that_recipes_failure(tmp_path, 
 ])
 def test_a_factory_of_the_wrong_signature_is_found_before_any_model(tmp_path, factory, message):
     recipe = user_recipe(tmp_path, "rmsnorm", "mine", with_=factory)
-    assert __import__("re").search(message, broken([recipe])["mine"])
+    assert re.search(message, broken([recipe])["mine"])
 
 
 @pytest.mark.parametrize("factory, message", [
     ("hostile_kernels:raising_factory", "raised ValueError: cannot patch LlamaRMSNorm"),
     ("hostile_kernels:factory_that_exits", "called sys.exit\\(2\\)"),
-    ("hostile_kernels:factory_that_hangs", "did not return within 1 s"),
+    ("hostile_kernels:factory_that_hangs", "did not return within 1[.0-9]* s"),
+    ("hostile_kernels:factory_returning_none", "returned a NoneType, not a function"),
 ])
 def test_a_factory_that_fails_is_that_recipes_rejection_and_changes_nothing(tmp_path, monkeypatch, model, factory,
                                                                           message):
-    monkeypatch.setenv(TIMEOUT_VARIABLE, "1")
+    monkeypatch.setattr(user_code, "IMPORT_SECONDS", 1.0)
     recipe = user_recipe(tmp_path, "rmsnorm", "mine", with_=factory)
     patches = apply(model, [recipe, load_catalog()["greedy_sample"]])
     assert list(patches.applied) == ["greedy_sample"] and "mine" not in patches.not_applicable
@@ -202,7 +205,7 @@ def test_a_factory_that_fails_is_that_recipes_rejection_and_changes_nothing(tmp_
     finally:
         unpatch(model)
     assert report.rolled_back == ["mine"] and all(e.passed for e in report.end_to_end)
-    assert __import__("re").search(f"building its replacements: patch.with on model.* {message}",
+    assert re.search(f"building its replacements: patch.with on model.* {message}",
                                    report.recipes["mine"].reason), report.recipes["mine"].reason
     assert all("forward" not in vars(m) for m in model.modules())
 
@@ -215,11 +218,11 @@ def test_a_factory_that_fails_is_that_recipes_rejection_and_changes_nothing(tmp_
                            "\\[1, 1, 64\\]"),
     ("norm_returning_none", "the fused path returned 0 tensor\\(s\\) where the original returns 1"),
     ("norm_that_exits", "the fused path called sys.exit\\(0\\)"),
-    ("norm_that_hangs", "the fused path did not return within 1 s"),
+    ("norm_that_hangs", "the fused path did not return within 1[.0-9]* s"),
     ("norm_nan_every_second_call", "on its second run: error nan > 1.5 x unfused"),
 ])
 def test_a_kernel_that_misbehaves_is_rolled_back_with_the_reason(tmp_path, monkeypatch, model, kernel, message):
-    monkeypatch.setenv(TIMEOUT_VARIABLE, "1")
+    monkeypatch.setitem(user_code.FLOOR_SECONDS, "cpu", 1.0)
     recipe = user_recipe(tmp_path, "rmsnorm", "mine", fusion=f"hostile_kernels:{kernel}")
     patches = apply(model, [recipe, load_catalog()["greedy_sample"]])
     started = time.perf_counter()
@@ -229,7 +232,7 @@ def test_a_kernel_that_misbehaves_is_rolled_back_with_the_reason(tmp_path, monke
         unpatch(model)
     assert time.perf_counter() - started < 15
     result = report.recipes["mine"]
-    assert not result.passed and __import__("re").search(message, result.reason), result.reason
+    assert not result.passed and re.search(message, result.reason), result.reason
     assert report.rolled_back == ["mine"] and report.recipes["greedy_sample"].passed
     assert all(e.passed for e in report.end_to_end)
     if kernel == "norm_nan_every_second_call":
@@ -305,12 +308,12 @@ def test_a_hanging_kernel_is_rejected_within_its_deadline(tmp_path):
     user_recipe(tmp_path / "d", "rmsnorm", "hangs", fusion="hostile_kernels:norm_that_hangs")
     started = time.perf_counter()
     done = run_cli(tmp_path, "apply-fusion", "--recipes", "hangs,greedy_sample", "--recipes-dir", str(tmp_path / "d"),
-                   *SMALL, "--runs-dir", str(tmp_path / "runs"), env={TIMEOUT_VARIABLE: "2"}, timeout=60)
-    assert time.perf_counter() - started < 20
+                   *SMALL, "--runs-dir", str(tmp_path / "runs"), env={TIMEOUT_VARIABLE: "3"}, timeout=60)
+    assert time.perf_counter() - started < 30  # about 8 s on an idle machine, of which the deadline is 3
     assert done.returncode == 0, done.stderr
     fusion = json.loads(done.stdout)["fusion"]
     assert fusion["applied"] == ["greedy_sample"] and fusion["rolled_back"] == ["hangs"]
-    assert "did not return within 2 s" in fusion["gate"]["recipes"]["hangs"]["reason"]
+    assert "did not return within 3 s" in fusion["gate"]["recipes"]["hangs"]["reason"]
 
 
 def test_a_broken_recipe_fails_in_seconds_before_anything_is_measured(tmp_path):

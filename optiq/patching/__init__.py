@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from optiq.errors import OptiqError
 from optiq.patching.changes import Change, Site
 from optiq.patching.kinds import KINDS
-from optiq.patching.user_code import FAILURES, IMPORT_SECONDS, build_deadline, deadline, describe, seconds_allowed
+from optiq.patching.user_code import (FAILURES, UserCodeFailed, build_deadline, deadline, describe,
+                                      import_deadline)
 
 if TYPE_CHECKING:
     import torch
@@ -50,11 +51,11 @@ class Applied:
 
 
 def resolve(recipe: Recipe, field_name: str, path: str) -> Callable:
-    """Import ``package.module:name`` (within IMPORT_SECONDS, or the fixed timeout); failure names the recipe, the
-    field, the path and what went wrong, in one line."""
+    """Import ``package.module:name`` (within ``user_code.import_deadline``); failure names the recipe, the field,
+    the path and what went wrong, in one line."""
     module_name, _, attribute = path.partition(":")
     try:
-        with deadline(seconds_allowed(IMPORT_SECONDS)):
+        with deadline(import_deadline()):
             module = importlib.import_module(module_name)
             target = getattr(module, attribute, None)
     except FAILURES as exc:
@@ -130,6 +131,10 @@ class Patches:
             with deadline(build_deadline(sum(p.numel() for p in self.model.parameters()))):
                 sites = applied.kind.sites(self.model, recipe, applied.fusion, applied.factory)
                 for site in sites:
+                    built = site.replacement if isinstance(site.replacement, tuple) else (site.replacement,)
+                    if not all(map(callable, built)):
+                        raise UserCodeFailed(f"patch.with on {site.label} returned a {type(site.replacement).__name__}"
+                                             f", not {'functions' if len(built) > 1 else 'a function'}")
                     change = site.bind(site.replacement)
                     change.redo()
                     applied.changes.append(change)

@@ -85,6 +85,11 @@ def seconds_allowed(floor: float, original_seconds: float = 0.0) -> float:
     return floor + SLOWDOWN * original_seconds
 
 
+def import_deadline() -> float:
+    """The deadline of importing a fusion module."""
+    return seconds_allowed(IMPORT_SECONDS)
+
+
 def build_deadline(parameters: int) -> float:
     """The deadline of building one recipe's replacements over a model of ``parameters`` parameters (factories that
     concatenate or restack weights take time in proportion)."""
