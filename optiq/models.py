@@ -9,16 +9,30 @@ parameters a kernel that forgets the weight or the bias computes the same functi
 tell. A preset therefore draws every parameter that initialisation leaves constant anew around its constant
 (``redraw_constants``): ``c * (1 + CONSTANT_SPREAD * N(0, 1))`` for a nonzero ``c`` (norm weights around 1), ``ZERO_SPREAD
 * N(0, 1)`` for zero (biases around 0), from the same seed; no element is left at the constant.
+
+A checkpoint directory is checked before anything is built from it (``checkpoint_config``, ``check_weights``), each
+problem one line: config.json must be a regular file of UTF-8 JSON holding an object of at most
+``MAX_CONFIG_BYTES``; its ``model_type`` one transformers knows as a decoder-only text model (an encoder such as
+BERT, an encoder-decoder or a vision model is refused, saying which it is); no ``auto_map``, since optiq never runs
+a checkpoint's own code; every field of the type its config class gives it; at most ``MAX_LAYERS`` layers and
+``MAX_EXPERTS`` experts; a model that builds (on the meta device, allocating nothing); and safetensors weights that
+are whole (the header's tensors all within the file) and hold at least the model's parameters, so that a truncated
+or mismatched file is not loaded half random.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import stat
+import struct
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, DeepseekV2Config, Gemma3TextConfig, LlamaConfig,
-                          MistralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DeepseekV2Config, Gemma3TextConfig,
+                          LlamaConfig, MistralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 from optiq import zoo
 from optiq.errors import OptiqError, first_line
@@ -95,6 +109,10 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
           "fp32": torch.float32, "float32": torch.float32}
 
 SEED = 0
+MAX_CONFIG_BYTES = 16 << 20  # the largest config.json read: real ones are a few KB (a label map makes some ~1 MB)
+MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on a file's JSON header
+MAX_LAYERS = 1024  # the deepest model a config may describe (the largest published ones have ~200 layers)
+MAX_EXPERTS = 4096  # routed experts a layer (published MoEs have up to a few hundred)
 CONSTANT_SPREAD = 0.1  # relative spread of a redrawn nonzero constant: norm weights in about 0.7..1.3
 ZERO_SPREAD = 0.02  # absolute spread of a redrawn zero, as transformers' initializer_range draws weights
 
@@ -133,12 +151,181 @@ def load_config(spec: str):
     if spec.startswith(zoo.PREFIX):
         return zoo.tiny_config(spec.removeprefix(zoo.PREFIX))
     path = Path(spec)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise OptiqError(f"checkpoint directory {spec} has no config.json")
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+    if spec.strip() and path.is_dir():  # Path("") is the working directory
+        return checkpoint_config(path)
     raise OptiqError(f"unknown model '{spec}': not a preset ({', '.join(PRESETS)}), {zoo.PREFIX}<model type> "
                      "nor a checkpoint directory")
+
+
+def _read_config(path: Path) -> dict:
+    """config.json's object, or a one-line reason it is not one (module docstring). Its kind is checked before it is
+    opened: a FIFO would wait for a writer."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise OptiqError(f"{path} is not a regular file")
+        with open(path, "rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise OptiqError(f"checkpoint directory {path.parent} has no config.json") from None
+    except OSError as exc:
+        raise OptiqError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise OptiqError(f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB; a model's config is a few KB")
+    if not data.strip():
+        raise OptiqError(f"{path} is empty")
+    try:
+        config = json.loads(data.decode())
+    except UnicodeDecodeError as exc:
+        raise OptiqError(f"{path} is not UTF-8 text (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise OptiqError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise OptiqError(f"{path} is not valid JSON (nested too deeply)") from None
+    if not isinstance(config, dict):
+        raise OptiqError(f"{path} must hold a JSON object, not {type(config).__name__}")
+    return config
+
+
+def _json_type(value) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _mistyped(data: dict, default) -> str:
+    """The first field of ``data`` whose value is not of the type its config class's default has, as a sentence
+    ("" if none is): a boolean stays a boolean, a string a string, a number a number (an integer one where the
+    default is an integer; token ids may also be lists of them). Fields without a default value (None, lists,
+    objects) are the model's own to check."""
+    for key, value in data.items():
+        try:
+            expected = getattr(default, key, None)
+        except Exception:  # noqa: BLE001 - a per-layer attribute that raises when read as one value
+            continue
+        if expected is None or value is None:
+            continue
+        if isinstance(expected, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(expected, int) and key.endswith("token_id"):
+            ok = (isinstance(value, int) and not isinstance(value, bool)) or (
+                isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
+        elif isinstance(expected, (int, float)):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+                isinstance(expected, float) or float(value).is_integer())
+        elif isinstance(expected, str):
+            ok = isinstance(value, str)
+        else:
+            continue
+        if not ok:
+            kind = "an integer" if type(expected) is int else _json_type(expected)
+            shown = json.dumps(value)
+            return f"field '{key}' must be {kind}, not {shown if len(shown) <= 40 else shown[:40] + '...'}"
+    return ""
+
+
+def checkpoint_config(path: Path):
+    """The transformers config of checkpoint directory ``path``, checked as the module docstring says, its model
+    built on the meta device to prove the config describes one."""
+    file = path / "config.json"
+    data = _read_config(file)
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise OptiqError(f"{file} has no model_type (a string such as \"llama\"), so no architecture to build")
+    if "auto_map" in data:
+        raise OptiqError(f"{file} has an auto_map: the checkpoint brings its own model code, and optiq never runs "
+                         "a checkpoint's code; use a model type transformers has")
+    problem = zoo.not_a_text_decoder(model_type)
+    if problem:
+        raise OptiqError(f"{file}: {problem}; optiq measures decoder-only text models")
+    config_class = CONFIG_MAPPING[model_type]
+    try:
+        default = config_class()
+    except Exception:  # noqa: BLE001 - a config class that needs arguments has no defaults to compare with
+        default = None
+    problem = _mistyped(data, default) if default is not None else ""
+    if problem:
+        raise OptiqError(f"{file}: {problem}")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - the config class's own validation, in one line
+        raise OptiqError(f"{file} does not make a {model_type} config: {type(exc).__name__}: {first_line(exc)}") \
+            from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise OptiqError(f"{file}: this {model_type} is an encoder-decoder model; optiq measures decoder-only text "
+                         "models")
+    layers = zoo.config_value(config, "num_hidden_layers")
+    if not isinstance(layers, int) or not 0 < layers <= MAX_LAYERS:
+        raise OptiqError(f"{file}: num_hidden_layers must be an integer from 1 to {MAX_LAYERS}, not {layers!r}")
+    experts = zoo.config_value(config, "num_experts", "num_local_experts", "n_routed_experts")
+    if experts is not None and not (isinstance(experts, int) and experts <= MAX_EXPERTS):
+        raise OptiqError(f"{file}: the number of experts must be an integer up to {MAX_EXPERTS}, not {experts!r}")
+    return config
+
+
+def parameters_on_meta(config) -> int:
+    """The number of parameters of the causal LM ``config`` describes, counted on the meta device (nothing is
+    allocated); a config its model cannot be built from is a one-line error."""
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - the architecture's own constructor: one line, not its traceback
+        raise OptiqError(f"{config.model_type} does not build from its config: {type(exc).__name__}: "
+                         f"{first_line(exc)}") from None
+    return sum(p.numel() for p in model.parameters())
+
+
+def _safetensors_elements(path: Path) -> int:
+    """The number of elements the tensors of a safetensors file hold, after checking the file is whole: a header
+    that fits, of JSON, whose tensors all lie within the file."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as file:
+            (header_len,) = struct.unpack("<Q", file.read(8))
+            if not 0 < header_len <= min(MAX_SAFETENSORS_HEADER, size - 8):
+                raise OptiqError(f"{path} is not a safetensors file, or is truncated (header of {header_len} bytes in "
+                                 f"a file of {size})")
+            header = json.loads(file.read(header_len))
+    except (struct.error, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise OptiqError(f"{path} is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise OptiqError(f"{path} is not a safetensors file (its header is not a JSON object)")
+    elements, end = 0, 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            elements += math.prod(int(n) for n in entry["shape"])
+            end = max(end, int(entry["data_offsets"][1]))
+        except (TypeError, KeyError, IndexError, ValueError):
+            raise OptiqError(f"{path} is not a safetensors file (tensor {name[:60]!r} has no shape and offsets)") \
+                from None
+    if 8 + header_len + end > size:
+        raise OptiqError(f"{path} is truncated: its tensors need {8 + header_len + end} bytes, the file has {size}")
+    return elements
+
+
+def check_weights(path: Path, config) -> None:
+    """A checkpoint's safetensors weights are whole and hold at least the parameters its config describes
+    (``_safetensors_elements``; shards through model.safetensors.index.json). Other formats are left to
+    transformers' loader; a quantized checkpoint (fewer elements than parameters by design) is not counted."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError,
+                AttributeError):
+            raise OptiqError(f"{index} is not a safetensors index (an object with a weight_map)") from None
+    elif (path / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        return
+    missing = [shard for shard in shards if not isinstance(shard, str) or not (path / shard).is_file()]
+    if missing:
+        raise OptiqError(f"checkpoint {path} lacks the weight file {str(missing[0])[:80]} its index names")
+    elements = sum(_safetensors_elements(path / shard) for shard in shards)
+    needed = parameters_on_meta(config)
+    if elements < needed and not getattr(config, "quantization_config", None):
+        raise OptiqError(f"checkpoint {path}: its weights hold {elements:,} values, but its config.json describes a "
+                         f"model of {needed:,} parameters")
 
 
 def constant_parameters(model: torch.nn.Module) -> list[str]:
@@ -195,8 +382,12 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device) -> torch.nn.
     if is_random(spec):
         model = random_model(config, dtype, device)
     else:
+        check_weights(Path(spec), config)
         try:
-            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=True).to(device)
-        except OSError as exc:
-            raise OptiqError(f"cannot load checkpoint {spec}: {str(exc).splitlines()[0]}") from None
+            model = AutoModelForCausalLM.from_pretrained(spec, config=config, dtype=dtype,
+                                                         local_files_only=True).to(device)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - transformers' loader: one line, not its traceback
+            raise OptiqError(f"cannot load checkpoint {spec}: {type(exc).__name__}: {first_line(exc)}") from None
     return model.eval()

@@ -121,6 +121,7 @@ class EndToEndVerdict:
     min_top1: float
     recipes: list[str]
     seconds: float = 0.0  # the patched model's decode and its comparison, graph capture included
+    problem: str = ""  # what stopped the patched decode, if anything: a kernel that raised or hung, a failed capture
 
 
 @dataclass

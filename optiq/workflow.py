@@ -8,6 +8,10 @@ into one run record (``optiq.record``), saved after every step. The commands dif
 
 Kernels are compiled ahead (``optiq.compile_ahead``) by worker processes started after the "before" rows, so their
 start-up never overlaps a measured point, and while the model is profiled for the proposals.
+
+The recipes' code is imported and checked as soon as the model is loaded, before anything is measured
+(``patching.broken``): a recipe whose kernel or factory does not resolve is rejected with why, the others go on, and
+a request whose every recipe is broken ends "rejected" in seconds, not after the "before" sweep and the profiles.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Callable
 import torch
 
 from optiq import compile_ahead
-from optiq.catalog.proposals import choose_recipes, propose_all
+from optiq.catalog.proposals import choose_recipes, named_recipes, propose_all
 from optiq.catalog.recipes import Recipe
 from optiq.engine import graph_mode_problem
 from optiq.errors import OptiqError
@@ -31,9 +35,9 @@ from optiq.measure import environment
 from optiq.measure.roofline import copy_bandwidth
 from optiq.measure.sweep import compiled_forward, free_memory, sweep
 from optiq.models import load_model
-from optiq.patching import Patches, apply, unpatch
+from optiq.patching import Patches, apply, broken, unpatch
 from optiq.profiling.capture import profile_step
-from optiq.record import Fusion, Row, RunRecord, Workload, compile_variant
+from optiq.record import Fusion, RecipeVerdict, Row, RunRecord, Workload, compile_variant
 from optiq.traces.attribution import attribute, weighted_kernels
 
 PROFILED_STEPS = 2  # decode steps profiled per concurrency for the proposals and the report
@@ -94,6 +98,13 @@ def run(job: Job, record: RunRecord, run_dir: Path, hooks: Hooks = Hooks()) -> N
     patches are global to the process, and a later run in it must measure models as they are."""
     with hooks.status(f"loading {job.model}"):
         model = load_model(job.model, job.dtype, job.device)
+    if job.requested:
+        with hooks.status("importing the recipes' kernels and factories"):
+            job = _without_broken_recipes(job, model.config.model_type, record)
+        hooks.save(record)
+        if not job.requested:
+            record.status = "rejected"
+            return
     if job.mode == "graph":
         with hooks.status("trying a CUDA-graph capture of one decode step"):
             problem = graph_mode_problem(model)
@@ -116,6 +127,21 @@ def run(job: Job, record: RunRecord, run_dir: Path, hooks: Hooks = Hooks()) -> N
             unpatch(model)
     if record.status == "running":
         record.status = "complete"
+
+
+def _without_broken_recipes(job: Job, model_type: str, record: RunRecord) -> Job:
+    """``job`` without the recipes it may try whose code does not resolve (``patching.broken``), each recorded as
+    rejected with why; its ``requested`` empty if it named recipes and every one of them is broken."""
+    named = job.requested != "auto"
+    tried = named_recipes(job.requested, job.catalog) if named else [
+        name for name, recipe in job.catalog.items() if recipe.applies_to(model_type)]
+    failed = broken(job.catalog[name] for name in tried)
+    for name, why in failed.items():
+        record.fusion.gate.recipes[name] = RecipeVerdict(name, job.catalog[name].tolerance, False, why)
+        record.fusion.rolled_back.append(name)
+    catalog = {name: recipe for name, recipe in job.catalog.items() if name not in failed}
+    requested = ",".join(name for name in tried if name not in failed) if named else job.requested
+    return replace(job, catalog=catalog, requested=requested)
 
 
 def _fuse_and_measure(job: Job, model, bandwidth: float, record: RunRecord, run_dir: Path, hooks: Hooks) -> None:

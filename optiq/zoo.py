@@ -47,15 +47,33 @@ def config_value(config, *names: str):
     return None
 
 
+def not_a_text_decoder(model_type: str) -> str:
+    """Why ``model_type`` is not a decoder-only text model, as a sentence ("" if it may be one): unknown to
+    transformers, no causal-LM class, an encoder that can also decode (it has a masked-LM head), an encoder-decoder,
+    or a wrapper around a text model (vision, audio: its config has sub-configs)."""
+    if model_type not in CONFIG_MAPPING:
+        return f"transformers {transformers.__version__} knows no model type '{model_type}'"
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return f"'{model_type}' is not a causal language model (transformers has no causal-LM class for it)"
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return f"'{model_type}' is an encoder (it has a masked-LM head), not a decoder-only causal LM"
+    config_class = CONFIG_MAPPING[model_type]
+    if getattr(config_class, "is_encoder_decoder", False):
+        return f"'{model_type}' is an encoder-decoder model, not a decoder-only causal LM"
+    if getattr(config_class, "sub_configs", None):
+        return (f"'{model_type}' wraps a text model in a multimodal one (sub-configs "
+                f"{', '.join(config_class.sub_configs)}); use the text model's own checkpoint")
+    return ""
+
+
 def decoder_only_text_types() -> list[str]:
-    """The causal-LM model types that are decoder-only text models, sorted."""
+    """The causal-LM model types that are decoder-only text models (``not_a_text_decoder``, and a default config
+    that is no encoder-decoder), sorted."""
     kept = []
     for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES or model_type not in CONFIG_MAPPING:
+        if not_a_text_decoder(model_type):
             continue
         config_class = CONFIG_MAPPING[model_type]
-        if getattr(config_class, "sub_configs", None) or getattr(config_class, "is_encoder_decoder", False):
-            continue
         try:
             default = config_class()
         except Exception:  # noqa: BLE001 - a config that needs arguments is not one a shrunken default can build

@@ -58,11 +58,16 @@ def test_malformed_recipe_names_file_field_and_why(tmp_path, change, message):
     assert str(path) in str(info.value) and message in str(info.value)
 
 
-def test_user_recipes_add_and_override(tmp_path):
+def test_user_recipes_add_and_replace_a_builtin_only_when_they_say_so(tmp_path):
     _user_recipe(tmp_path, "my_norm")
     _user_recipe(tmp_path, "rmsnorm", **{"kernels_saved_per_layer = 14": "kernels_saved_per_layer = 3"})
+    with pytest.raises(OptiqError, match="recipe name 'rmsnorm' is a built-in recipe's; .*replaces = \"rmsnorm\""):
+        load_catalog([str(tmp_path)])
+    _user_recipe(tmp_path, "rmsnorm", **{"kernels_saved_per_layer = 14": "kernels_saved_per_layer = 3",
+                                         "summary = ": 'replaces = "rmsnorm"\nsummary = '})
     catalog = load_catalog([str(tmp_path)])
     assert "my_norm" in catalog and catalog["rmsnorm"].kernels_saved_per_layer == 3
+    assert list(catalog).index("rmsnorm") == list(load_catalog()).index("rmsnorm")  # in the built-in's place
 
 
 def test_two_user_files_with_one_name_are_refused(tmp_path):

@@ -19,13 +19,15 @@ from optiq.fusions.swiglu import swiglu_reference
 
 def user_recipe(directory: Path, base: str, name: str, **fields: str):
     """A user recipe file in ``directory``: the built-in ``base`` renamed, with top-level or [patch] string fields
-    replaced (``with_`` for ``with``); returns it as the catalog loads it."""
+    replaced (``with_`` for ``with``), or added at the top where ``base`` has none (``replaces``); returns it as the
+    catalog loads it."""
     from optiq.catalog.recipes import load_catalog
 
     text = resources.files("optiq.builtin_recipes").joinpath(f"{base}.toml").read_text()
     for key, value in {"name": name, **fields}.items():
         key = key.rstrip("_")
-        text = re.sub(rf'^{key} = ".*"$', f'{key} = "{value}"', text, count=1, flags=re.M)
+        text, found = re.subn(rf'^{key} = ".*"$', f'{key} = "{value}"', text, count=1, flags=re.M)
+        text = text if found else f'{key} = "{value}"\n{text}'
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{name}.toml").write_text(text)
     return load_catalog([str(directory)])[name]

@@ -66,8 +66,8 @@ def propose_all(catalog: dict[str, Recipe], kernels: dict[int, pd.DataFrame], mo
 
 
 def named_recipes(requested: str, catalog: dict[str, Recipe]) -> list[str]:
-    """The recipes a comma-separated ``requested`` names, which must exist."""
-    names = [n.strip() for n in requested.split(",") if n.strip()]
+    """The recipes a comma-separated ``requested`` names, which must exist, each once."""
+    names = list(dict.fromkeys(n.strip() for n in requested.split(",") if n.strip()))
     unknown = [n for n in names if n not in catalog]
     if unknown:
         raise OptiqError(f"unknown recipe(s) {', '.join(unknown)}; the catalog has: {', '.join(catalog)}")

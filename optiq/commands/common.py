@@ -217,7 +217,8 @@ def _not_blank(ctx, param, value):
 
 
 recipes_dir_option = click.option("--recipes-dir", multiple=True, type=click.Path(file_okay=False),
-                                  help="A directory of your own recipe files (*.toml); may be repeated.")
+                                  help="A directory of your own recipe files (*.toml); may be repeated. A recipe "
+                                       "named like a built-in one must say replaces = \"<that name>\".")
 
 
 def print_json(obj) -> None:

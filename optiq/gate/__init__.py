@@ -17,7 +17,6 @@ A recipe that fails its gate is undone (alone) and reported with the numbers tha
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -77,6 +76,9 @@ def validate(patches: Patches, plan: GatePlan = GatePlan(), found: tuple | None 
     to end on its own is undone too, and if the set still fails only together, all of it is. ``found``: the
     end-to-end baselines of this model and plan (``end_to_end.baselines``), when already computed."""
     report = Validation(constant_parameters=constant_parameters(patches.model))
+    for name, (recipe, why) in patches.failed.items():  # its code failed before any check: rejected with why
+        report.recipes[name] = RecipeVerdict(name, recipe.tolerance, False, why)
+        report.rolled_back.append(name)
     if not patches.applied:
         return report
     # The baselines before the per-recipe checks, though a set the checks reject all of would not need them: no fused
@@ -89,13 +91,15 @@ def validate(patches: Patches, plan: GatePlan = GatePlan(), found: tuple | None 
         # ignores them: a second pass with them drawn anew, the recipes rebuilt on those values
         with constants_redrawn(patches.model), patches.rebuilt() as redrawn:
             redrawn_note = f", {len(report.constant_parameters)} constant parameters redrawn"
+            for name, (recipe, why) in redrawn.failed.items():
+                report.recipes[name] = RecipeVerdict(name, recipe.tolerance, False, why + redrawn_note)
             check_per_recipe(redrawn, plan, report, how=redrawn_note)
     for result in report.recipes.values():
         if result.passed and result.calls == 0:  # a site that decode never reaches (the model rotates by another
             # function, say): nothing was checked, and nothing would be gained
             result.passed, result.reason = False, "no call in a decode step: none of its sites run there"
     for name, result in report.recipes.items():
-        if not result.passed:
+        if not result.passed and name in patches.applied:
             patches.undo(name)
             report.rolled_back.append(name)
     kept = list(patches.applied)
@@ -113,9 +117,8 @@ def validate(patches: Patches, plan: GatePlan = GatePlan(), found: tuple | None 
         if failed is not None:
             report.recipes[name].passed = False
             report.recipes[name].reason = f"end to end at concurrency {failed.concurrency}: " + (
-                "its decode step cannot be captured in a CUDA graph" if math.isinf(failed.rel_err) else
-                f"logits error {failed.rel_err:.3g} (bound {failed.bound:.3g}), top-1 {failed.top1:.3f} "
-                f"(min {failed.min_top1:.3f})")
+                failed.problem or f"logits error {failed.rel_err:.3g} (bound {failed.bound:.3g}), top-1 "
+                                  f"{failed.top1:.3f} (min {failed.min_top1:.3f})")
     together = [n for n in kept if report.recipes[n].passed]
     if together:
         report.end_to_end = check(together)

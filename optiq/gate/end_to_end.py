@@ -5,6 +5,9 @@ The reference is the unpatched model itself for an fp32 model (then every greedy
 model computing in fp32 otherwise (then the unpatched model's own distance to fp32 sets the scale). The reference
 and unpatched decodes are computed once per gate (``baselines``) and shared by every set it checks; the reference's
 logits stay on the device in fp32 and every other decode is compared with them step by step.
+
+A patched decode runs the user's kernels: one that raises, calls sys.exit or runs past its deadline (``SLOWDOWN``
+times the unpatched decode's own time, ``user_code``) fails the set with that as its ``problem``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from optiq.gate.references.fp32 import as_reference
 from optiq.gate.rules import end_to_end_bounds, loosest
 from optiq.patching import Patches
 from optiq.patching.changes import Change
+from optiq.patching.user_code import FAILURES, call_deadline, deadline, describe
 from optiq.record import EndToEndVerdict
 
 
@@ -73,6 +77,7 @@ class Baseline:
     want_norm: float  # ||want|| (Frobenius over all steps)
     rel_err_unpatched: float = 0.0
     top1_unpatched: float = 1.0
+    seconds: float = 0.0  # the unpatched model's decode (teacher-forced, or the reference itself for an fp32 model)
 
 
 def distance(model: torch.nn.Module, b: Baseline, changes: list[Change], mode: str) -> tuple[float, float]:
@@ -110,6 +115,7 @@ def baselines(patches: Patches, plan: GatePlan) -> tuple[dict[int, Baseline], fl
         found = {}
         for concurrency in plan.concurrencies:
             prompt = prompts[:concurrency]
+            started = time.perf_counter()
             if dtype == torch.float32:
                 want, picks = decode(model, prompt, steps, None, [], mode)
             else:
@@ -118,7 +124,9 @@ def baselines(patches: Patches, plan: GatePlan) -> tuple[dict[int, Baseline], fl
             want_norm = sum(step.double().square().sum() for step in want).sqrt().item()
             found[concurrency] = b = Baseline(prompt, want, picks, want_norm)
             if dtype != torch.float32:
+                started = time.perf_counter()
                 b.rel_err_unpatched, b.top1_unpatched = distance(model, b, [], mode)
+            b.seconds = time.perf_counter() - started
     return found, reference_seconds, reference_mode
 
 
@@ -133,16 +141,23 @@ def check_end_to_end(patches: Patches, names: list[str], found: dict[int, Baseli
     tolerance = loosest(a.recipe.tolerance for a in chosen)
     changes = [c for a in chosen for c in a.changes]
     results = []
+    device_type = next(model.parameters()).device.type
     with torch.inference_mode(), patches.suspended():
         for concurrency, b in found.items():
             started = time.perf_counter()
+            problem = ""
             try:
-                rel, top1 = distance(model, b, changes, mode)
+                with deadline(call_deadline(device_type, b.seconds)):
+                    rel, top1 = distance(model, b, changes, mode)
             except CaptureError:  # a kernel that synchronises with the host: what would be measured cannot run
+                problem = "its decode step cannot be captured in a CUDA graph"
+            except FAILURES as exc:
+                problem = f"the patched decode {describe(exc)}"
+            if problem:
                 rel, top1 = float("inf"), 0.0
             bound, min_top1 = end_to_end_bounds(tolerance, dtype, b.rel_err_unpatched, b.top1_unpatched,
                                                 b.picks[1:].numel())
             results.append(EndToEndVerdict(concurrency, b.want.shape[0], rel <= bound and top1 >= min_top1, rel,
                                            b.rel_err_unpatched, bound, top1, b.top1_unpatched, min_top1, list(names),
-                                           time.perf_counter() - started))
+                                           time.perf_counter() - started, problem))
     return results

@@ -249,7 +249,10 @@ def _is_linear(kernel: Callable) -> bool:
 
 def mutants(kernel: Callable) -> list[Mutant]:
     """The mutants of ``kernel`` its parameters allow (module docstring)."""
-    names = set(inspect.signature(kernel).parameters)
+    try:
+        names = set(inspect.signature(kernel).parameters)
+    except (TypeError, ValueError):  # a user's kernel without a signature to read: the argument mutants only
+        names = set()
     found = [_argument_mutant("first block dropped", "a dropped first block", _block_dropped(last=False)),
              _argument_mutant("last block dropped", "a dropped last block", _block_dropped(last=True))]
     if names & set(LENGTH_PARAMETERS):
@@ -284,6 +287,11 @@ def verify(model: torch.nn.Module, recipes: list, plan: GatePlan, with_mutants: 
     for recipe in recipes:
         started = time.perf_counter()
         patches = apply(model, [recipe])
+        if recipe.name in patches.failed:  # its code does not import or build: its real kernel is rejected
+            results[recipe.name] = RecipeMutation(recipe.name, recipe.fusion, patches.failed[recipe.name][1])
+            progress(f"{recipe.name}: real kernel {results[recipe.name].real}")
+            done(recipe.name, results[recipe.name])
+            continue
         if recipe.name not in patches.applied:
             results[recipe.name] = patches.not_applicable.get(recipe.name, "not applicable")
             progress(f"{recipe.name}: not applicable ({results[recipe.name]})")

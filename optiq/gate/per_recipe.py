@@ -7,12 +7,18 @@ floating runs a second time with its activations (its first input and its KV cac
 activations that small reach the regime where a norm's eps is a good part of its result (a forgotten eps changes a
 result by ~eps / mean(x^2), a millionth at the model's own activations, below one bf16 rounding). A power of two
 scales exactly, so the scaled input is as representable as the captured one. Sites with integer outputs (routers,
-samplers) are left out: scaling their inputs would not change which ids are picked, only create near-ties."""
+samplers) are left out: scaling their inputs would not change which ids are picked, only create near-ties.
+
+The fused path is the user's code: whatever it raises (SystemExit too), returns (another dtype, shape or device than
+the original's: ``rules.unlike``) or however long it runs (``user_code.deadline``, from the original's time on the
+same call) fails its recipe with the reason, and the other recipes are checked on. A NaN in any run is a failure
+shown as nan, never hidden by the larger of two errors."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Iterator
@@ -22,9 +28,10 @@ from transformers import Cache
 
 from optiq.gate.capture import fresh, layers_read, scaled_copy, tensors
 from optiq.gate.references.float64 import float64_path
-from optiq.gate.rules import GATE, error, site_bound
+from optiq.gate.rules import GATE, error, site_bound, unlike
 from optiq.patching import Patches
 from optiq.patching.changes import Site
+from optiq.patching.user_code import FAILURES, call_deadline, deadline, describe
 from optiq.record import RecipeVerdict
 
 SMALL_SCALE = 2.0 ** -10
@@ -38,11 +45,12 @@ class CallErrors:
     err_runs: list[float]  # of the fused path's runs, in order
     bound: float
     exact_match: bool  # every fused run bitwise equal to the unfused path (for ``exact``)
-    raised: str = ""  # what the fused path raised, if it did
+    failed: str = ""  # how the fused path failed to compute at all: "the fused path raised ...", "... returned ..."
 
     @property
     def err_fused(self) -> float:
-        return max(self.err_runs)
+        """The worst run's error; nan if any run's is (``max`` would keep the other, whatever its order)."""
+        return math.nan if any(math.isnan(e) for e in self.err_runs) else max(self.err_runs)
 
 
 def _scaled(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -66,6 +74,7 @@ def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], whe
     paths, with the patches suspended."""
     applied = patches.applied[name]
     kind, tolerance = applied.kind, applied.recipe.tolerance
+    device_type = next(patches.model.parameters()).device.type
     with patches.suspended():
         for site, calls in sites:
             original, fused = kind.call(site.original), kind.call(site.replacement)
@@ -75,16 +84,25 @@ def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], whe
                 def run(label: str, args: tuple, kwargs: dict) -> tuple[CallErrors, list[torch.Tensor]]:
                     layers = layers_read(site.original, args, kwargs)
                     want = tensors(reference(*fresh(args, torch.float64, layers), **fresh(kwargs, torch.float64, layers)))
+                    started = time.perf_counter()
                     unfused = tensors(original(*fresh(args), **fresh(kwargs)))
+                    allowed = call_deadline(device_type, time.perf_counter() - started)
                     try:
-                        runs = [tensors(fused(*fresh(args), **fresh(kwargs))) for _ in range(2)]
-                    except Exception as exc:  # a user's kernel may fail in any way; the recipe fails, the run goes on
-                        return CallErrors(label, math.nan, [math.inf], 0.0, False, f"{type(exc).__name__}: {exc}"), want
-                    err_unfused = error(unfused, want)
-                    exact_match = all(error(r, unfused) == 0.0 and all(torch.equal(x, y) for x, y in zip(r, unfused))
-                                      for r in runs)
-                    return CallErrors(label, err_unfused, [error(r, want) for r in runs],
-                                      site_bound(tolerance, err_unfused), exact_match), want
+                        with deadline(allowed):
+                            runs = [tensors(fused(*fresh(args), **fresh(kwargs))) for _ in range(2)]
+                        problem = next(filter(None, (unlike(r, unfused) for r in runs)), "")
+                        if problem:
+                            return CallErrors(label, math.nan, [math.inf], 0.0, False,
+                                              f"the fused path {problem}"), want
+                        err_unfused = error(unfused, want)
+                        exact_match = all(error(r, unfused) == 0.0 and all(torch.equal(x, y)
+                                                                           for x, y in zip(r, unfused)) for r in runs)
+                        err_runs = [error(r, want) for r in runs]
+                    except FAILURES as exc:  # a user's kernel may fail in any way; the recipe fails, the run goes on
+                        return CallErrors(label, math.nan, [math.inf], 0.0, False,
+                                          f"the fused path {describe(exc)}"), want
+                    bound = site_bound(tolerance, err_unfused)
+                    return CallErrors(label, err_unfused, err_runs, bound, exact_match), want
 
                 for number, (args, kwargs) in enumerate(calls, 1):
                     errors, want = run(f"{site.label} (call {number}{where})", args, kwargs)
@@ -105,9 +123,9 @@ def check_recipe(patches: Patches, name: str, sites: list[tuple[Site, list]], wh
     with closing(call_errors(patches, name, sites, where, scaled)) as calls:  # an early return resumes the patches
         for call in calls:
             result.calls += 1
-            if call.raised:
+            if call.failed:
                 result.passed, result.site = False, call.label
-                result.reason = f"{call.label}: the fused path raised {call.raised}"
+                result.reason = f"{call.label}: {call.failed}"
                 return result
             ok = call.exact_match if tolerance == "exact" else call.err_fused <= call.bound
             if call.err_unfused > 0:
@@ -123,7 +141,8 @@ def check_recipe(patches: Patches, name: str, sites: list[tuple[Site, list]], wh
                 rule = ("not bit-identical to the unfused path" if tolerance == "exact" else
                         f"error {call.err_fused:.3g} > {GATE[tolerance][0]:g} x unfused {call.err_unfused:.3g} + "
                         f"floor = {call.bound:.3g}")
-                second = " on its second run" if call.err_runs[0] <= call.bound < call.err_fused else ""
+                second = " on its second run" if call.err_runs[0] <= call.bound and not call.err_fused <= call.bound \
+                    else ""
                 result.reason = f"{call.label}{second}: {rule}"
                 return result
     return result

@@ -53,6 +53,24 @@ def sorted_by_id(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.gather(-1, order) if t.shape == ids.shape else t for t in outputs]
 
 
+def unlike(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> str:
+    """How a fused path's outputs differ in kind from the original path's, as "returned ..." ("" if they do not):
+    their number, or an output's shape, device or dtype (a floating output must have the original's dtype, an
+    integer one may be any integer type). A kernel that returns float64, or a tensor on the meta device, computes
+    something the model would not run with, however close its values."""
+    if len(outputs) != len(reference):
+        return f"returned {len(outputs)} tensor(s) where the original returns {len(reference)}"
+    for number, (out, want) in enumerate(zip(outputs, reference), 1):
+        dtype_differs = out.dtype != want.dtype if want.is_floating_point() else out.is_floating_point()
+        for what, got, expected, differs in (
+                ("shape", list(out.shape), list(want.shape), out.shape != want.shape),
+                ("device", out.device, want.device, out.device != want.device),
+                ("dtype", out.dtype, want.dtype, dtype_differs)):
+            if differs:
+                return f"returned output {number} with {what} {got} where the original's is {expected}"
+    return ""
+
+
 def error(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
     """The relative distance of ``outputs`` from ``reference``: inf for another shape or a differing integer."""
     if len(outputs) != len(reference) or any(o.shape != r.shape for o, r in zip(outputs, reference)):

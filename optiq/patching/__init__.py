@@ -5,11 +5,17 @@ resolved from their import paths; the factory builds the replacement around the 
 knows nothing of Triton. The recipe's patch kind (``kinds``) finds its sites; each site's change
 (``changes.Change``) keeps what was there before, so ``undo`` puts back the very objects that were there, recipe by
 recipe or all at once.
+
+A recipe's code is the user's (``user_code``): a fusion module that does not import (a syntax error, an exception,
+sys.exit, an import that hangs), a factory that does not take the kind's two arguments, raises or hangs, fails that
+recipe alone: it is left out and ``Patches.failed`` says why, while the others are applied. ``broken`` finds the
+failures that need no model (imports and signatures) before any work, so that a broken recipe fails in seconds.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +24,8 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from optiq.errors import OptiqError
 from optiq.patching.changes import Change, Site
 from optiq.patching.kinds import KINDS
+from optiq.patching.user_code import (FAILURES, UserCodeFailed, build_deadline, deadline, describe,
+                                      import_deadline)
 
 if TYPE_CHECKING:
     import torch
@@ -43,24 +51,60 @@ class Applied:
 
 
 def resolve(recipe: Recipe, field_name: str, path: str) -> Callable:
-    """Import ``package.module:name``; failure names the recipe, the field and the path."""
+    """Import ``package.module:name`` (within ``user_code.import_deadline``); failure names the recipe, the field,
+    the path and what went wrong, in one line."""
     module_name, _, attribute = path.partition(":")
     try:
-        target = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise OptiqError(f"recipe '{recipe.name}': {field_name} '{path}' does not resolve ({exc})") from None
+        with deadline(import_deadline()):
+            module = importlib.import_module(module_name)
+            target = getattr(module, attribute, None)
+    except FAILURES as exc:
+        raise OptiqError(f"recipe '{recipe.name}': {field_name} '{path}' does not resolve: importing {module_name} "
+                         f"{describe(exc)}") from None
+    if target is None:
+        raise OptiqError(f"recipe '{recipe.name}': {field_name} '{path}' does not resolve: {module_name} has no "
+                         f"'{attribute}'")
     if not callable(target):
         raise OptiqError(f"recipe '{recipe.name}': {field_name} '{path}' is not callable")
     return target
 
 
+def resolve_code(recipe: Recipe) -> tuple[Callable, Callable]:
+    """The recipe's kernel and factory, the factory checked to take its kind's two arguments."""
+    fusion = resolve(recipe, "fusion", recipe.fusion)
+    factory = resolve(recipe, "patch.with", recipe.patch_with)
+    arguments = KINDS[recipe.patch_kind].factory_arguments
+    try:
+        inspect.signature(factory).bind(*arguments)
+    except TypeError:
+        raise OptiqError(f"recipe '{recipe.name}': patch.with '{recipe.patch_with}' must take ({', '.join(arguments)}),"
+                         f" not {inspect.signature(factory)}") from None
+    except ValueError:  # no signature to read (a builtin): its call will tell
+        pass
+    return fusion, factory
+
+
+def broken(recipes: Iterable[Recipe]) -> dict[str, str]:
+    """{recipe: why} for those whose kernel or factory does not resolve (``resolve_code``): what can be known of a
+    recipe's code without a model."""
+    found = {}
+    for recipe in recipes:
+        try:
+            resolve_code(recipe)
+        except OptiqError as exc:
+            found[recipe.name] = str(exc)
+    return found
+
+
 class Patches:
-    """The recipes applied to one model, what each changed, and which were not applicable (with why)."""
+    """The recipes applied to one model, what each changed, which were not applicable and which failed (with why)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.applied: dict[str, Applied] = {}
         self.not_applicable: dict[str, str] = {}
+        self.failed: dict[str, tuple[Recipe, str]] = {}  # name -> the recipe whose code failed, and why (module
+        # docstring)
         self._suspended = False
 
     def summary(self) -> list[dict]:
@@ -80,22 +124,33 @@ class Patches:
             _ACTIVE.pop(self.model, None)
 
     def install(self, applied: Applied) -> None:
-        """Find the recipe's sites in the model and put their replacements in, or say why it does not apply."""
+        """Find the recipe's sites in the model and put their replacements in, or say why it does not apply or why it
+        failed (then none of its changes stays)."""
         recipe = applied.recipe
         try:
-            sites = applied.kind.sites(self.model, recipe, applied.fusion, applied.factory)
-        except ValueError as exc:
+            with deadline(build_deadline(sum(p.numel() for p in self.model.parameters()))):
+                sites = applied.kind.sites(self.model, recipe, applied.fusion, applied.factory)
+                for site in sites:
+                    built = site.replacement if isinstance(site.replacement, tuple) else (site.replacement,)
+                    if not all(map(callable, built)):
+                        raise UserCodeFailed(f"patch.with on {site.label} returned a {type(site.replacement).__name__}"
+                                             f", not {'functions' if len(built) > 1 else 'a function'}")
+                    change = site.bind(site.replacement)
+                    change.redo()
+                    applied.changes.append(change)
+                    applied.sites.append(site)
+        except ValueError as exc:  # the kind's own: a model outside what it patches (a factory's is UserCodeFailed)
             self.not_applicable[recipe.name] = str(exc)
+            return
+        except FAILURES as exc:
+            for change in reversed(applied.changes):
+                change.undo()
+            self.failed[recipe.name] = recipe, f"building its replacements: {describe(exc)}"
             return
         if not sites:
             self.not_applicable[recipe.name] = (f"no site in the model for its {recipe.patch_kind.replace('_', ' ')} "
                                                 f"patch of {recipe.target_label}")
             return
-        for site in sites:
-            change = site.bind(site.replacement)
-            change.redo()
-            applied.sites.append(site)
-            applied.changes.append(change)
         self.applied[recipe.name] = applied
 
     @contextmanager
@@ -147,8 +202,12 @@ def apply(model: torch.nn.Module, recipes: Iterable[Recipe], kernels: dict[str, 
                 raise OptiqError(f"recipes '{claimed[claim]}' and '{recipe.name}' both patch the {kind}"
                                  f"{f' {target}' if target else ''}; choose one")
             claimed[claim] = recipe.name
-        fusion = (kernels or {}).get(recipe.name) or resolve(recipe, "fusion", recipe.fusion)
-        chosen.append((recipe, fusion, resolve(recipe, "patch.with", recipe.patch_with)))
+        try:
+            fusion, factory = resolve_code(recipe)
+        except OptiqError as exc:
+            patches.failed[recipe.name] = recipe, str(exc)
+            continue
+        chosen.append((recipe, (kernels or {}).get(recipe.name) or fusion, factory))
     for recipe, fusion, factory in chosen:
         patches.install(Applied(recipe, fusion, factory))
     if patches.applied:

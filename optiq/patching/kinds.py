@@ -6,7 +6,8 @@ recipe's factory (``optiq.patching.replacements`` documents the factories' signa
 gate, how a site's path is called on captured arguments and how the original path records them.
 
 A kind raises ValueError from ``sites`` when the model is outside what it can patch; the recipe is then reported as
-not applicable with that message.
+not applicable with that message. Factories are the user's code: each call goes through ``user_code.run``, so that
+whatever one raises (a ValueError too) fails the recipe instead (``Patches.failed``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from optiq.patching.changes import Change, Site, set_attribute, set_item, together
 from optiq.patching.structure import STRUCTURES
+from optiq.patching.user_code import run
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +32,7 @@ class PatchKind:
     many_targets: bool = False  # whether that field is a list
     unit: str  # what its sites are, as counted in a summary
     narrows_by_name: bool = False  # whether ``[patch] names`` may narrow it to the sites under those names
+    factory_arguments: tuple[str, str]  # what its factory is called with, in order
 
     def claims(self, recipe: Recipe) -> tuple[tuple[str, str], ...]:
         """What the recipe takes over, as (what, name) pairs."""
@@ -56,6 +59,7 @@ class ModuleForward(PatchKind):
     whatever its class; ``[patch] names`` narrows it to the instances under those attribute names."""
 
     name, target_field, many_targets, unit, narrows_by_name = "module_forward", "modules", True, "modules", True
+    factory_arguments = ("module", "fusion")
 
     def claims(self, recipe):
         if recipe.patch_structure:
@@ -68,7 +72,8 @@ class ModuleForward(PatchKind):
         for name, module in model.named_modules():
             if ("*" in recipe.patch_target or type(module).__name__ in recipe.patch_target) and (
                     not recipe.patch_names or name.rsplit(".", 1)[-1] in recipe.patch_names) and computes(module):
-                found.append(Site(name or type(module).__name__, module.forward, factory(module, fusion),
+                label = name or type(module).__name__
+                found.append(Site(label, module.forward, run(f"patch.with on {label}", factory, module, fusion),
                                   lambda fn, module=module: set_attribute(module, "forward", fn)))
         return found
 
@@ -79,6 +84,7 @@ class Function(PatchKind):
     module (optiq's decode engine looks its sampler up so, at every step)."""
 
     name, target_field, unit = "function", "function", "functions"
+    factory_arguments = ("original", "fusion")
 
     def claims(self, recipe):
         return (("function", recipe.patch_target[0]),)
@@ -86,13 +92,14 @@ class Function(PatchKind):
     def sites(self, model, recipe, fusion, factory):
         module_name, _, name = recipe.patch_target[0].rpartition(":")
         if module_name:
-            namespaces = [importlib.import_module(module_name)]
+            namespaces = [run(f"importing {module_name}", importlib.import_module, module_name)]
         else:
             namespaces = sorted({sys.modules[type(m).__module__] for m in model.modules()}, key=lambda ns: ns.__name__)
         found = []
         for namespace in (ns for ns in namespaces if callable(vars(ns).get(name))):
             original = vars(namespace)[name]
-            found.append(Site(f"{namespace.__name__}.{name}", original, factory(original, fusion),
+            label = f"{namespace.__name__}.{name}"
+            found.append(Site(label, original, run(f"patch.with on {label}", factory, original, fusion),
                               lambda fn, namespace=namespace: set_attribute(namespace, name, fn)))
         return found
 
@@ -105,6 +112,7 @@ class AttentionInterface(PatchKind):
     its recorded arguments, then the attention."""
 
     name, target_field, unit = "attention_interface", "interface", "interfaces"
+    factory_arguments = ("fusion", "replaced")
 
     def claims(self, recipe):
         return (("the model's attention implementation", ""),)
@@ -127,7 +135,8 @@ class AttentionInterface(PatchKind):
                 set_item(Registry._global_mapping, name, pair[0]),
                 set_item(AttentionMaskInterface._global_mapping, name, pair[1]), _set_attention(model, name)])
 
-        return [Site(f"attention interface {name} (was {current})", original, factory(fusion, original), bind)]
+        label = f"attention interface {name} (was {current})"
+        return [Site(label, original, run(f"patch.with on {label}", factory, fusion, original), bind)]
 
     def call(self, path):
         """The attention output alone: the weights an eager forward also returns are no part of the model's function
