@@ -203,6 +203,17 @@ def test_events_repeated_apart_are_counted_once(tmp_path):
     assert "10 event(s) repeated verbatim counted once" in thrice.notes
 
 
+def run_with_memory_headroom(setup: str, call: str, path, headroom_mb: int) -> subprocess.CompletedProcess:
+    """``setup`` run in a fresh interpreter, then ``call`` with its address space capped a few MB above what the
+    process maps by then; an OptiqError it raises is printed, exit 1."""
+    code = ("import resource, sys\nfrom optiq.errors import OptiqError\n" + setup +
+            "vm = int(next(l for l in open('/proc/self/status') if l.startswith('VmSize')).split()[1]) << 10\n"
+            f"resource.setrlimit(resource.RLIMIT_AS, (vm + ({headroom_mb} << 20),) * 2)\n"
+            f"try:\n    {call}\nexcept OptiqError as exc:\n    print(exc)\n    sys.exit(1)\n")
+    return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+
+
 def test_out_of_memory_is_one_line(tmp_path):
     """Under a cap the read cannot fit in, the MemoryError (numpy's or Python's) becomes the one-line error; the cap
     leaves room for the interpreter and numpy/pandas, not for 250,000 kernels' columns."""
@@ -210,12 +221,8 @@ def test_out_of_memory_is_one_line(tmp_path):
     with gzip.open(path, "wb", compresslevel=1) as f:
         f.write(b'{"traceEvents": [' + ",".join(json.dumps(kernel(float(i), corr=i, name=f"k{i % 1000}"))
                                                 for i in range(250_000)).encode() + b"]}")
-    code = ("import resource, sys; from optiq.errors import OptiqError; from optiq.traces.reader import read_trace\n"
-            "vm = int(next(l for l in open('/proc/self/status') if l.startswith('VmSize')).split()[1]) << 10\n"
-            "resource.setrlimit(resource.RLIMIT_AS, (vm + (60 << 20),) * 2)\n"
-            "try:\n    read_trace(sys.argv[1])\nexcept OptiqError as exc:\n    print(exc)\n    sys.exit(1)\n")
-    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    result = run_with_memory_headroom("from optiq.traces.reader import read_trace\n", "read_trace(sys.argv[1])", path,
+                                      headroom_mb=60)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "out of memory reading it" in result.stdout
 
@@ -441,13 +448,8 @@ def test_out_of_memory_while_attributing_is_one_line(tmp_path):
     too (the cap is set after the read, a few MB above what the process then maps)."""
     events = [kernel(float(i), corr=i, name=f"k{i % 500}") for i in range(200_000)]
     path = events_file(tmp_path / "big.json", events)
-    code = ("import resource, sys\nfrom optiq.errors import OptiqError\n"
-            "from optiq.traces.attribution import attribute\nfrom optiq.traces.reader import read_trace\n"
-            "trace = read_trace(sys.argv[1])\n"
-            "vm = int(next(l for l in open('/proc/self/status') if l.startswith('VmSize')).split()[1]) << 10\n"
-            "resource.setrlimit(resource.RLIMIT_AS, (vm + (8 << 20),) * 2)\n"
-            "try:\n    attribute([trace], 'kernel')\nexcept OptiqError as exc:\n    print(exc)\n    sys.exit(1)\n")
-    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    result = run_with_memory_headroom(
+        "from optiq.traces.attribution import attribute\nfrom optiq.traces.reader import read_trace\n"
+        "trace = read_trace(sys.argv[1])\n", "attribute([trace], 'kernel')", path, headroom_mb=8)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert result.stdout.strip() == "out of memory attributing the traces (fewer or smaller traces would fit)"
