@@ -120,9 +120,8 @@ def test_a_recipe_whose_sites_never_run_in_decode_is_rolled_back_not_passed():
 
 @pytest.mark.parametrize("spec, names", [
     ("tiny:gpt_neox", ["rope", "decode_attention"]),  # partial rotary: a quarter of each head rotated
-    ("tiny:glm4_moe_lite", ["decode_attention"]),  # MLA values narrower than keys: those calls go to sdpa
 ])
-def test_variants_the_kernels_handle_or_hand_back_pass_the_gate(spec, names):
+def test_variants_the_kernels_handle_pass_the_gate(spec, names):
     model = load_model(spec, torch.float32, torch.device("cpu"))
     catalog = load_catalog()
     patches = apply(model, [catalog[n] for n in names])
@@ -133,6 +132,24 @@ def test_variants_the_kernels_handle_or_hand_back_pass_the_gate(spec, names):
         unpatch(model)
     assert not report.rolled_back and report.passed, report.recipes
     assert all(report.recipes[n].calls > 0 for n in names)
+
+
+@pytest.mark.parametrize("spec, name", [
+    ("tiny:glm4_moe_lite", "decode_attention"),  # MLA values narrower than keys: every call goes to sdpa
+    ("tiny:gpt_oss", "attention_prologue"),  # cos and sin half a head wide: every call goes to the module's own
+])
+def test_a_recipe_whose_kernel_never_runs_is_rolled_back_not_kept(spec, name):
+    """Sites found, every call handed back to the original path: the gate passes each call exactly and still keeps
+    nothing, saying so, so the recipe's rivals (rope, for attention_prologue) get their turn."""
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+    patches = apply(model, [load_catalog()[name]])
+    try:
+        assert list(patches.applied) == [name], patches.not_applicable
+        report = validate(patches, GatePlan((2,), steps=3, prompt_len=40))
+    finally:
+        unpatch(model)
+    assert report.rolled_back == [name]
+    assert "its kernel ran at none of its" in report.recipes[name].reason, report.recipes[name].reason
 
 
 @pytest.mark.parametrize("spec, variants", [

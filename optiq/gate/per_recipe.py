@@ -120,6 +120,7 @@ def check_recipe(patches: Patches, name: str, sites: list[tuple[Site, list]], wh
     tolerance = patches.applied[name].recipe.tolerance
     result = RecipeVerdict(name, tolerance, True, "passed")
     worst = -math.inf
+    kernel_calls = patches.applied[name].kernel_calls
     with closing(call_errors(patches, name, sites, where, scaled)) as calls:  # an early return resumes the patches
         for call in calls:
             result.calls += 1
@@ -145,6 +146,10 @@ def check_recipe(patches: Patches, name: str, sites: list[tuple[Site, list]], wh
                     else ""
                 result.reason = f"{call.label}{second}: {rule}"
                 return result
+    if result.calls and patches.applied[name].kernel_calls == kernel_calls:
+        result.passed = False
+        result.reason = (f"its kernel ran at none of its {result.calls} calls (each went back to the original path): "
+                         f"nothing to keep")
     return result
 
 

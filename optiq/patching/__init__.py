@@ -14,6 +14,7 @@ failures that need no model (imports and signatures) before any work, so that a 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import weakref
@@ -44,6 +45,17 @@ class Applied:
     factory: Callable
     sites: list[Site] = field(default_factory=list)
     changes: list[Change] = field(default_factory=list)
+    kernel_calls: int = 0  # calls of the kernel through its sites, so the gate knows one that hands every call back
+
+    def counted_fusion(self) -> Callable:
+        """The kernel as the replacements get it: counting its calls (its signature kept, for the replacements that
+        read which parameters it takes)."""
+        @functools.wraps(self.fusion)
+        def fusion(*args, **kwargs):
+            self.kernel_calls += 1
+            return self.fusion(*args, **kwargs)
+
+        return fusion
 
     @property
     def kind(self):
@@ -129,7 +141,7 @@ class Patches:
         recipe = applied.recipe
         try:
             with deadline(build_deadline(sum(p.numel() for p in self.model.parameters()))):
-                sites = applied.kind.sites(self.model, recipe, applied.fusion, applied.factory)
+                sites = applied.kind.sites(self.model, recipe, applied.counted_fusion(), applied.factory)
                 for site in sites:
                     built = site.replacement if isinstance(site.replacement, tuple) else (site.replacement,)
                     if not all(map(callable, built)):

@@ -31,7 +31,8 @@ from optiq.errors import OptiqError, first_line
 
 IMPORT_SECONDS = 10.0  # a fusion module's import (it compiles nothing, so no device's floor) ...
 BUILD_SECONDS_PER_BILLION = 10.0  # ... and a recipe's factories over a model, plus this per billion parameters
-FLOOR_SECONDS = {"cuda": 60.0, "cpu": 3.0}  # a kernel call, or a patched decode, at the least
+FLOOR_SECONDS = {"cuda": 60.0, "cpu": 5.0}  # a kernel call, or a patched decode, at the least (the CPU's first
+# interpreted call of a kernel pays a one-time start-up that a loaded machine stretches to seconds)
 SLOWDOWN = 1000.0  # ... plus this many times what the original path took on the same inputs
 TIMEOUT_VARIABLE = "OPTIQ_USER_CODE_TIMEOUT_S"
 
