@@ -6,8 +6,9 @@ model computing in fp32 otherwise (then the unpatched model's own distance to fp
 and unpatched decodes are computed once per gate (``baselines``) and shared by every set it checks; the reference's
 logits stay on the device in fp32 and every other decode is compared with them step by step.
 
-A patched decode runs the user's kernels: one that raises, calls sys.exit or runs past its deadline (``SLOWDOWN``
-times the unpatched decode's own time, ``user_code``) fails the set with that as its ``problem``.
+A patched decode runs the user's kernels: one that raises, calls sys.exit or runs past its deadline (minutes, or
+``SLOWDOWN`` times the unpatched decode's own time: ``user_code.decode_deadline``) fails the set with that as its
+``problem``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from optiq.gate.references.fp32 import as_reference
 from optiq.gate.rules import end_to_end_bounds, loosest
 from optiq.patching import Patches
 from optiq.patching.changes import Change
-from optiq.patching.user_code import FAILURES, call_deadline, deadline, describe
+from optiq.patching.user_code import FAILURES, deadline, decode_deadline, describe
 from optiq.record import EndToEndVerdict
 
 
@@ -141,13 +142,12 @@ def check_end_to_end(patches: Patches, names: list[str], found: dict[int, Baseli
     tolerance = loosest(a.recipe.tolerance for a in chosen)
     changes = [c for a in chosen for c in a.changes]
     results = []
-    device_type = next(model.parameters()).device.type
     with torch.inference_mode(), patches.suspended():
         for concurrency, b in found.items():
             started = time.perf_counter()
             problem = ""
             try:
-                with deadline(call_deadline(device_type, b.seconds)):
+                with deadline(decode_deadline(b.seconds)):
                     rel, top1 = distance(model, b, changes, mode)
             except CaptureError:  # a kernel that synchronises with the host: what would be measured cannot run
                 problem = "its decode step cannot be captured in a CUDA graph"

@@ -14,9 +14,10 @@ returns, in this thread or any other, short of killing the process. Off the main
 delivered) or on a platform without setitimer, the block runs without a deadline.
 
 How long is too long: an import, IMPORT_SECONDS; building a recipe's replacements, that and more for a larger model
-(``build_deadline``); a kernel call or a patched decode (``call_deadline``), a floor (a GPU's first call of a Triton
-kernel compiles it, autotuning included; a CPU has only the interpreter's overhead) plus ``SLOWDOWN`` times what the
-original path took on the same inputs, so that larger models get proportionally longer. ``OPTIQ_USER_CODE_TIMEOUT_S``
+(``build_deadline``); a kernel call (``call_deadline``), a floor (a GPU's first call of a Triton kernel compiles it,
+autotuning included; a CPU has only the interpreter's overhead) plus ``SLOWDOWN`` times what the original path took
+on the same inputs, so that larger models get proportionally longer; a patched decode (``decode_deadline``), a floor
+of minutes, as its interpreted kernels on the CPU may take thousands of times torch's own ops. ``OPTIQ_USER_CODE_TIMEOUT_S``
 sets one fixed number of seconds for all of them instead.
 """
 
@@ -31,8 +32,10 @@ from optiq.errors import OptiqError, first_line
 
 IMPORT_SECONDS = 10.0  # a fusion module's import (it compiles nothing, so no device's floor) ...
 BUILD_SECONDS_PER_BILLION = 10.0  # ... and a recipe's factories over a model, plus this per billion parameters
-FLOOR_SECONDS = {"cuda": 60.0, "cpu": 5.0}  # a kernel call, or a patched decode, at the least (the CPU's first
-# interpreted call of a kernel pays a one-time start-up that a loaded machine stretches to seconds)
+FLOOR_SECONDS = {"cuda": 60.0, "cpu": 5.0}  # a kernel call at the least (the CPU's first interpreted call of a
+# kernel pays a one-time start-up that a loaded machine stretches to seconds)
+DECODE_FLOOR_SECONDS = 300.0  # a patched decode at the least: every kernel of every recipe, interpreted on the CPU
+# (~10^4 times torch's eager op), for every step; a kernel that hangs does so at its first call, in the per-call check
 SLOWDOWN = 1000.0  # ... plus this many times what the original path took on the same inputs
 TIMEOUT_VARIABLE = "OPTIQ_USER_CODE_TIMEOUT_S"
 
@@ -98,8 +101,13 @@ def build_deadline(parameters: int) -> float:
 
 
 def call_deadline(device_type: str, original_seconds: float) -> float:
-    """The deadline of a kernel call, or of a patched decode, on a device of ``device_type``."""
+    """The deadline of a kernel call on a device of ``device_type``."""
     return seconds_allowed(FLOOR_SECONDS.get(device_type, FLOOR_SECONDS["cuda"]), original_seconds)
+
+
+def decode_deadline(original_seconds: float) -> float:
+    """The deadline of a patched decode whose unpatched decode took ``original_seconds``."""
+    return seconds_allowed(DECODE_FLOOR_SECONDS, original_seconds)
 
 
 @contextmanager
