@@ -176,6 +176,7 @@ def test_decode_attention_computes_the_zoo_variants_and_forgetting_one_is_caught
     ("tiny:gemma3_text", ["attention_prologue"], None),  # per-head q/k norms of 1 + w, sliding layers
     ("tiny:phi3", ["attention_prologue", "add_rmsnorm"], None),  # one fused qkv_proj
     ("tiny:granite", ["add_rmsnorm", "attention_prologue"], 0.22),  # Granite's residual and attention multipliers
+    ("tiny:deepseek_v32", ["add_rmsnorm"], None),  # its cache layers hold the indexer's keys beside the latent's
 ])
 def test_llama_family_sites_are_found_by_structure_and_kept(spec, names, multiplier):
     """The attention and decoder-layer recipes, once written for five classes, on models the catalog never named;

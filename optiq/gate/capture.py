@@ -27,8 +27,8 @@ def _copy_cache(cache: Cache, dtype: torch.dtype | None, scale: float | None = N
         mine = copy.copy(layer)
         for name, value in vars(layer).items():
             if isinstance(value, torch.Tensor):
-                if name not in ("keys", "values"):
-                    value = value.clone()
+                if not (name in ("keys", "values") or value.is_floating_point() and value.dim() >= 3):
+                    value = value.clone()  # the fill counters; what else a layer caches (an indexer's keys) is data
                 elif layers is None or index in layers:
                     value = value * scale if scale is not None else value.to(dtype) if dtype is not None else value
                 setattr(mine, name, value)
