@@ -22,8 +22,6 @@ def _add_rmsnorm_op(
     normed: torch.Tensor,
     new_residual: torch.Tensor,
 ) -> None:
-    if residual.shape != x.shape:
-        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
     launch_rmsnorm(x, residual, weight, eps, offset, normed, new_residual)
 
 
@@ -49,16 +47,12 @@ def add_rmsnorm(
 def _norm_add_rmsnorm_op(x: torch.Tensor, residual: torch.Tensor, branch_norm_weight: torch.Tensor,
                          weight: torch.Tensor, eps: float, offset: bool, normed: torch.Tensor,
                          new_residual: torch.Tensor) -> None:
-    if residual.shape != x.shape:
-        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
     launch_rmsnorm(x, residual, weight, eps, offset, normed, new_residual, branch_weight=branch_norm_weight)
 
 
 @triton_op("optiq::norm_add", mutates_args=("new_residual",))
 def _norm_add_op(x: torch.Tensor, residual: torch.Tensor, branch_norm_weight: torch.Tensor, eps: float,
                  offset: bool, new_residual: torch.Tensor) -> None:
-    if residual.shape != x.shape:
-        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
     launch_rmsnorm(x, residual, None, eps, offset, None, new_residual, branch_weight=branch_norm_weight)
 
 

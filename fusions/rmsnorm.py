@@ -5,7 +5,8 @@ Semantics follow Hugging Face exactly, including where it rounds:
   (LlamaRMSNorm: ``weight * x_normed.to(input_dtype)``).
 - Gemma (offset=True): normalise in fp32, multiply by (1 + weight) in fp32, round once
   (Gemma3RMSNorm: ``(x_normed * (1.0 + weight.float())).type_as(x)``).
-The output is in x's dtype. The kernel also serves add_rmsnorm (HAS_RESIDUAL) and norm_add_rmsnorm (BRANCH_NORM), so they cannot drift apart.
+The output is in x's dtype. The kernel also serves add_rmsnorm (HAS_RESIDUAL) and norm_add_rmsnorm (BRANCH_NORM), so
+they cannot drift apart.
 """
 
 import torch
@@ -80,6 +81,8 @@ def launch_rmsnorm(x, residual, weight, eps, offset, out, new_residual, branch_w
     before the residual add (None: none), weight None (and out None) leaves the sum unnormalised. Called from inside
     a triton_op."""
     hidden = x.shape[-1]
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
     for name, w in (("weight", weight), ("branch norm weight", branch_weight)):
         if w is not None and w.shape != (hidden,):
             raise ValueError(f"{name} shape {tuple(w.shape)} does not match hidden size {hidden}")

@@ -223,9 +223,9 @@ SANDWICH_PLACEMENTS = (("post_attention_layernorm", "pre_feedforward_layernorm",
 
 
 def sandwich_norm_decoder_layer(module: torch.nn.Module) -> SandwichSite | None:
-    """A decoder layer whose attention and MLP each sit between two RMSNorms (Gemma 2 and 3, GLM-4): ``input_layernorm``,
-    ``self_attn``, ``mlp`` and one of SANDWICH_PLACEMENTS' norm triples, and no other child (Gemma 3n's AltUp and
-    Laurel blocks are other layers), every norm of one eps and offset."""
+    """A decoder layer whose attention and MLP each sit between two RMSNorms (Gemma 2 and 3, GLM-4):
+    ``input_layernorm``, ``self_attn``, ``mlp`` and one of SANDWICH_PLACEMENTS' norm triples, and no other child
+    (Gemma 3n's AltUp and Laurel blocks are other layers), every norm of one eps and offset."""
     names = dict(module.named_children())
     for placement in SANDWICH_PLACEMENTS:
         if set(names) != {"input_layernorm", "self_attn", "mlp", *placement}:

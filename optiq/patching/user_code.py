@@ -17,8 +17,8 @@ How long is too long: an import, IMPORT_SECONDS; building a recipe's replacement
 (``build_deadline``); a kernel call (``call_deadline``), a floor (a GPU's first call of a Triton kernel compiles it,
 autotuning included; a CPU has only the interpreter's overhead) plus ``SLOWDOWN`` times what the original path took
 on the same inputs, so that larger models get proportionally longer; a patched decode (``decode_deadline``), a floor
-of minutes, as its interpreted kernels on the CPU may take thousands of times torch's own ops. ``OPTIQ_USER_CODE_TIMEOUT_S``
-sets one fixed number of seconds for all of them instead.
+of minutes, as its interpreted kernels on the CPU may take thousands of times torch's own ops.
+``OPTIQ_USER_CODE_TIMEOUT_S`` sets one fixed number of seconds for all of them instead.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Name every decoder layer and module role in the profiler's trace (record_function) and in Nsight (NVTX).
 
 Roles are what an engineer fuses by: ``embed``, ``norm``, ``post_attn_norm``, ``branch_norm`` (a sandwich layer's
-norms around its branches), ``qkv_proj``, ``qk_norm`` (per-head norms of q and k), ``rope``, ``kv_write``, ``attention``, ``repeat_kv`` (GQA's copy of the KV heads, inside
-attention), ``kv_expand`` (MLA's latent to keys and values), ``o_proj``, ``mixer`` (a recurrent or linear-attention
-layer's), ``mlp``, ``moe_router``, ``experts``, ``lm_head``, ``sampling``. Modules get theirs from the module tree's
-structure (profiling.roles); functions (RoPE, repeat_kv), the engine's cache writes and sampling by name. A range is
-named ``optiq/layer/<i>`` or ``optiq/role/<role>``; decode steps are ``optiq/step/<n>``. Annotation installs wrappers
-on the model's instances for the duration of a ``with annotated(...)`` block and removes them after, so an unannotated
-model pays nothing.
+norms around its branches), ``qkv_proj``, ``qk_norm`` (per-head norms of q and k), ``rope``, ``kv_write``,
+``attention``, ``repeat_kv`` (GQA's copy of the KV heads, inside attention), ``kv_expand`` (MLA's latent to keys and
+values), ``o_proj``, ``mixer`` (a recurrent or linear-attention layer's), ``mlp``, ``moe_router``, ``experts``,
+``lm_head``, ``sampling``. Modules get theirs from the module tree's structure (profiling.roles); functions (RoPE,
+repeat_kv), the engine's cache writes and sampling by name. A range is named ``optiq/layer/<i>`` or
+``optiq/role/<role>``; decode steps are ``optiq/step/<n>``. Annotation installs wrappers on the model's instances for
+the duration of a ``with annotated(...)`` block and removes them after, so an unannotated model pays nothing.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ the presets' shapes.
 import pytest
 import torch
 
-from optiq.fusions.decode_attention import ATTENTION_SHAPES, benchmark_case, decode_attention, decode_attention_reference
+from optiq.fusions.decode_attention import (ATTENTION_SHAPES, benchmark_case, decode_attention,
+                                            decode_attention_reference)
 from kernel_testing import CUDA, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
