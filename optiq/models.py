@@ -31,8 +31,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import (CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DeepseekV2Config, Gemma3TextConfig,
-                          LlamaConfig, MistralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DeepseekV2Config, DeepseekV4Config,
+                          Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 from optiq import zoo
 from optiq.errors import OptiqError, first_line
@@ -55,6 +55,15 @@ PRESETS = {
         num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
         vocab_size=256, max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # DeepSeek-V4's parts at widths a CPU runs in seconds: one layer of each attention type, hash and learned routing,
+    # windows small enough (2 and 4 tokens) that a short prompt closes several and the indexer keeps 4 of them.
+    "tiny-deepseek-v4": lambda: DeepseekV4Config(
+        hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, head_dim=32,
+        q_lora_rank=48, o_groups=2, o_lora_rank=40, n_routed_experts=8, num_experts_per_tok=2, index_n_heads=3,
+        index_head_dim=16, index_topk=4, sliding_window=8, vocab_size=256, max_position_embeddings=2048,
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}),
     # Shapes of Qwen/Qwen3-0.6B.
     "qwen3-0.6b": lambda: Qwen3Config(
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -103,6 +112,13 @@ PRESETS = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                          "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
                          "mscale": 0.707, "mscale_all_dim": 0.707}),
+    # Shapes of deepseek-ai/DeepSeek-V4-Flash (DeepseekV4Config's defaults: hidden 4096, 64 heads of 512 sharing one
+    # KV head, mHC with 4 streams, 256 experts of 2048 with 6 per token, CSA every 4 tokens with a 512-entry indexer,
+    # HCA every 128), 6 of its 43 layers so that one H200 holds them with C = 64's cache: 3 compressed-sparse and 3
+    # heavily-compressed attention layers, the first 3 hash-routed as the model's are.
+    "deepseek-v4-flash": lambda: DeepseekV4Config(
+        num_hidden_layers=6, layer_types=["heavily_compressed_attention", "compressed_sparse_attention"] * 3,
+        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3),
 }
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -342,11 +358,42 @@ def redraw_constants(model: torch.nn.Module, seed: int = SEED) -> list[str]:
     params = dict(model.named_parameters())
     for name in names:
         param = params[name]
-        constant = param.flatten()[0].item()
-        noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-        drawn = constant * (1 + CONSTANT_SPREAD * noise) if constant else ZERO_SPREAD * noise
-        param.copy_(drawn.to(param.dtype))
+        param.copy_(_around(param.flatten()[0].item(), param.shape, generator).to(param.dtype))
     return names
+
+
+def _around(constant: float, shape, generator: torch.Generator) -> torch.Tensor:
+    noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+    return constant * (1 + CONSTANT_SPREAD * noise) if constant else ZERO_SPREAD * noise
+
+
+@torch.no_grad()
+def draw_routing_tables(model: torch.nn.Module, seed: int = SEED) -> list[str]:
+    """Draw the routing buffers that initialisation leaves constant, as a checkpoint would hold them; returns their
+    names. A hash-routing table (an integer buffer [vocabulary, experts per token], DeepSeek-V4's ``tid2eid``) at
+    zero sends every token to expert 0 as many times as it picks experts, so a kernel that mixed up the picks could
+    not be told apart: each token gets distinct random experts. A per-expert score bias (a float buffer as long as
+    the expert count, DeepSeek-V3's ``e_score_correction_bias``) is drawn around its constant as a parameter is."""
+    config = model.config.get_text_config(decoder=True)
+    experts = zoo.config_value(config, "num_experts", "num_local_experts", "n_routed_experts")
+    per_token = zoo.config_value(config, "num_experts_per_tok")
+    vocab = zoo.config_value(config, "vocab_size")
+    if not (experts and per_token):
+        return []
+    generator = torch.Generator().manual_seed(seed)
+    drawn = []
+    for name, buffer in model.named_buffers():
+        if buffer.numel() == 0 or not bool((buffer == buffer.flatten()[0]).all()):
+            continue
+        if not buffer.is_floating_point() and tuple(buffer.shape) == (vocab, per_token):
+            value = torch.rand(vocab, experts, generator=generator).argsort(dim=1)[:, :per_token]
+        elif buffer.is_floating_point() and tuple(buffer.shape) == (experts,):
+            value = _around(buffer.flatten()[0].item(), buffer.shape, generator)
+        else:
+            continue
+        buffer.copy_(value.to(buffer.dtype))
+        drawn.append(name)
+    return drawn
 
 
 @contextmanager
@@ -365,7 +412,7 @@ def constants_redrawn(model: torch.nn.Module, seed: int = SEED):
 
 def random_model(config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The model of ``config`` in eval mode on ``device``, with weights drawn from the fixed seed and none left
-    constant (``redraw_constants``)."""
+    constant (``redraw_constants``), routing tables included (``draw_routing_tables``)."""
     torch.manual_seed(SEED)
     try:
         with torch.device(device):
@@ -373,6 +420,7 @@ def random_model(config, dtype: torch.dtype, device: torch.device) -> torch.nn.M
     except Exception as exc:  # noqa: BLE001 - the architecture's own constructor: one line, not its traceback
         raise OptiqError(f"{config.model_type} does not build: {type(exc).__name__}: {first_line(exc)}") from None
     redraw_constants(model)
+    draw_routing_tables(model)
     return model
 
 

@@ -31,7 +31,9 @@ TINY = {
     "max_position_embeddings": 2048, "first_k_dense_replace": 1,
 }
 LAYERS = 2
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")  # configs' names
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention",  # configs' names
+                         "indexed_attention",  # DeepSeek-V3.2's and GLM-MoE-DSA's
+                         "compressed_sparse_attention", "heavily_compressed_attention")  # DeepSeek-V4's
 
 
 def config_value(config, *names: str):

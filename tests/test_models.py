@@ -37,7 +37,7 @@ def test_deepseek_v2_lite_preset_has_the_model_cards_size():
     assert len(model.model.layers[1].mlp.experts.gate_up_proj) == 64
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v2"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-deepseek-v4"])
 def test_no_preset_parameter_is_left_constant(preset):
     """Norm weights are drawn around 1 and biases around 0, never at the constant initialisation leaves them at, so a
     kernel that forgets either computes another function; the draw is the same every time."""
@@ -101,3 +101,26 @@ def test_a_dtype_the_gpu_cannot_run_is_a_clear_error(monkeypatch):
     with pytest.raises(OptiqError, match="Tesla V100-SXM2-32GB cannot run bf16; use --dtype fp16 or fp32"):
         resolve_dtype("bf16", torch.device("cuda"))
     assert resolve_dtype("fp16", torch.device("cuda")) == torch.float16
+
+
+def test_deepseek_v4_flash_preset_keeps_the_models_widths_and_layer_mix():
+    """6 of V4-Flash's 43 layers at DeepseekV4Config's widths: 40.6 B parameters (81 GB in bf16, one H200 with room
+    for C = 64), compressed-sparse and heavily-compressed attention alternating, the first three hash-routed."""
+    config = load_config("deepseek-v4-flash")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == 40.6
+    assert config.layer_types.count("compressed_sparse_attention") == config.layer_types.count(
+        "heavily_compressed_attention") == 3
+    assert config.mlp_layer_types == ["hash_moe"] * 3 + ["moe"] * 3
+    assert (config.hidden_size, config.n_routed_experts, config.hc_mult, config.index_topk) == (4096, 256, 4, 512)
+
+
+def test_routing_tables_are_drawn_as_a_checkpoint_holds_them():
+    """DeepSeek-V4's hash-routing table picks distinct experts for each token (initialised to zeros it sends every
+    token to expert 0 twice), and its learned routers' score bias is no constant."""
+    model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
+    table = model.model.layers[0].mlp.gate.tid2eid
+    assert table.shape == (256, 2) and bool((table[:, 0] != table[:, 1]).all()) and table.unique().numel() == 8
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.unique().numel() == bias.numel() and bias.abs().max() < 0.2

@@ -4,7 +4,9 @@ qkv_proj registered after o_proj, GPT-2's c_attn/c_proj of Conv1D, Mamba's mixer
 import pytest
 import torch
 
-from optiq.models import load_model
+from transformers import AutoModelForCausalLM
+
+from optiq.models import load_config, load_model
 from optiq.profiling.roles import decoder_layers, module_roles
 
 
@@ -55,3 +57,38 @@ def test_a_norm_without_a_learned_scale_is_a_norm():
     and no error."""
     roles, _ = _layer0("tiny:diffllama")
     assert roles["self_attn.groupnorm"] == "norm" and roles["self_attn.o_proj"] == "o_proj"
+
+
+@pytest.mark.parametrize("preset, device", [("tiny-deepseek-v4", "cpu"), ("deepseek-v4-flash", "meta")])
+def test_deepseek_v4_roles(preset, device):
+    """DeepSeek-V4: the hyper-connections (mHC) are neither mixer nor MLP; the compressor and the indexer nested in
+    it are roles of their own, holding their projections; both halves of the grouped output projection are o_proj;
+    every layer type is attention. At the real widths too (meta tensors: 40.6 B parameters, no memory)."""
+    if device == "meta":
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(load_config(preset))
+    else:
+        model = load_model(preset, torch.float32, torch.device(device))
+    roles = module_roles(model)
+    layer_types = model.config.layer_types
+    for index, kind in enumerate(layer_types):
+        layer = f"model.layers.{index}"
+        assert roles[f"{layer}.attn_hc"] == roles[f"{layer}.ffn_hc"] == "mhc"
+        assert roles[f"{layer}.self_attn"] == "attention" and roles[f"{layer}.mlp"] == "mlp"
+        assert roles[f"{layer}.self_attn.o_a_proj"] == roles[f"{layer}.self_attn.o_b_proj"] == "o_proj"
+        assert roles[f"{layer}.self_attn.q_b_proj"] == "qkv_proj"
+        assert roles[f"{layer}.mlp.experts"] == "experts" and roles[f"{layer}.mlp.gate"] == "moe_router"
+        assert roles[f"{layer}.mlp.shared_experts"] == "mlp"
+        compressor = f"{layer}.self_attn.compressor"
+        assert roles.get(compressor) == (None if kind == "sliding_attention" else "compressor"), kind
+        assert roles.get(f"{compressor}.indexer") == ("indexer" if kind == "compressed_sparse_attention" else None)
+        assert not any(name.startswith(f"{compressor}.") and role != "indexer" for name, role in roles.items())
+    assert {"sliding_attention", "compressed_sparse_attention"} <= set(layer_types) or device == "meta"
+    assert roles["model.hc_head"] == "mhc" and roles["model.norm"] == "norm"
+
+
+def test_an_indexer_inside_attention_is_its_own_role():
+    """DeepSeek-V3.2's family: the indexer that picks the attended positions, inside MLA attention."""
+    roles, _ = _layer0("tiny:deepseek_v32")
+    assert roles["self_attn"] == "attention" and roles["self_attn.indexer"] == "indexer"
+    assert not any(name.startswith("self_attn.indexer.") for name in roles)

@@ -11,6 +11,14 @@ list as long as the expert count) is ``experts``, a matrix with a row per expert
 them (shared experts) ``mlp``. Of a layer's norms the first is ``norm``; with exactly two, the second is
 ``post_attn_norm`` (the norm after the residual add that add_rmsnorm fuses); with more (Gemma's and GLM-4's
 four: a norm on each side of each branch), the others are ``branch_norm``, which sandwich_norm fuses with the adds.
+
+Hyper-connections (DeepSeek-V4's mHC) keep several residual streams: a module whose own weight matrix reads all of
+them (an input width that is a multiple of the hidden size) is ``mhc``, wherever it sits, and is neither the layer's
+mixer nor its MLP. Inside attention a sub-block with projections of its own (DeepSeek-V4's compressor, the indexer
+of V3.2 and V4) is one role for all it holds: ``indexer`` where it writes the indexer's heads
+(``index_n_heads`` x ``index_head_dim``), else ``compressor`` when the config compresses the KV
+(``compress_rates``), else part of ``attention``; the grouped half of a grouped output projection (writing
+``o_groups`` x ``o_lora_rank``) is ``o_proj`` as the projection after it is.
 """
 
 from __future__ import annotations
@@ -52,6 +60,14 @@ def _computes(module: torch.nn.Module) -> bool:
     return any(p.dim() >= 2 for p in module.parameters())
 
 
+def is_stream_mixer(module: torch.nn.Module, hidden: int) -> bool:
+    """A hyper-connection: a module without child projections whose own weight matrix reads several residual
+    streams of the hidden size at once (its input width k * hidden, k >= 2)."""
+    own = [p for p in module.parameters(recurse=False) if p.dim() == 2]
+    return bool(own) and not any(_is_projection(m) for m in module.modules()) and all(
+        p.shape[1] % hidden == 0 and p.shape[1] >= 2 * hidden for p in own)
+
+
 def module_roles(model: torch.nn.Module) -> dict[str, str]:
     """Qualified submodule name -> role, for every module whose role the structure shows (module docstring)."""
     config = model.config.get_text_config(decoder=True)
@@ -65,16 +81,24 @@ def module_roles(model: torch.nn.Module) -> dict[str, str]:
         kind = layer_types[index] if index < len(layer_types) else "attention"
         _layer_roles(layer, names[id(layer)], kind, config, roles)
     inside_layers = tuple(f"{names[id(layer)]}." for layer in decoder_layers(model))
+    hidden = config_value(config, "hidden_size")
     for qualified, module in model.named_modules():
-        if qualified and qualified not in roles and not qualified.startswith(inside_layers) and is_norm(module):
-            roles[qualified] = "norm"  # the final norm
+        if qualified and qualified not in roles and not qualified.startswith(inside_layers):
+            if is_norm(module):
+                roles[qualified] = "norm"  # the final norm
+            elif hidden and is_stream_mixer(module, hidden):
+                roles[qualified] = "mhc"  # the streams' last collapse, before the final norm
     return roles
 
 
 def _layer_roles(layer: torch.nn.Module, prefix: str, kind: str, config, roles: dict[str, str]) -> None:
     children = list(layer.named_children())
     norms = [name for name, child in children if is_norm(child)]
-    parts = [(name, child) for name, child in children if name not in norms and _computes(child)]
+    hidden = config_value(config, "hidden_size")
+    mixers = [name for name, child in children if hidden and is_stream_mixer(child, hidden)]
+    for name in mixers:
+        roles[f"{prefix}.{name}"] = "mhc"
+    parts = [(name, child) for name, child in children if name not in norms + mixers and _computes(child)]
     for position, name in enumerate(norms):
         roles[f"{prefix}.{name}"] = ("norm" if position == 0 else "post_attn_norm" if len(norms) == 2
                                      else "branch_norm")
@@ -102,24 +126,52 @@ def _widths(module: torch.nn.Module) -> tuple[int, int]:
     return module.weight.shape[1], module.weight.shape[0]
 
 
+def _sub_block_role(block: torch.nn.Module, outermost: bool, config) -> str | None:
+    """The role of a sub-block of attention (module docstring), or None where it is part of what encloses it."""
+    indexer_width = (config_value(config, "index_n_heads") or 0) * (config_value(config, "index_head_dim") or 0)
+    nested = {id(m) for _, child in _sub_blocks(block) for m in child.modules()}
+    own = [m for m in block.modules() if _is_projection(m) and id(m) not in nested]
+    if indexer_width and any(_widths(m)[1] == indexer_width for m in own):
+        return "indexer"
+    return "compressor" if outermost and config_value(config, "compress_rates", "compress_ratios") else None
+
+
+def _sub_blocks(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The children of ``module`` that hold projections of their own below them (not a projection or a norm)."""
+    return [(name, child) for name, child in module.named_children()
+            if next(child.children(), None) is not None and any(_is_projection(m) for m in child.modules())]
+
+
 def _attention_roles(attn: torch.nn.Module, prefix: str, config, roles: dict[str, str]) -> None:
-    projections = [(name, m) for name, m in attn.named_modules() if name and _is_projection(m)]
+    pending = [(name, child, True) for name, child in _sub_blocks(attn)]
+    inside: set[int] = set()  # the modules of sub-blocks: their projections and norms are the sub-block's
+    while pending:
+        name, block, outermost = pending.pop()
+        inside.update(id(m) for m in block.modules())
+        role = _sub_block_role(block, outermost, config)
+        if role:
+            roles[f"{prefix}.{name}"] = role
+        pending.extend((f"{name}.{child_name}", child, False) for child_name, child in _sub_blocks(block))
+    projections = [(name, m) for name, m in attn.named_modules() if name and _is_projection(m) and id(m) not in inside]
     latent = config_value(config, "kv_lora_rank")
     head_dim = config_value(config, "head_dim", "qk_head_dim")
     hidden = config_value(config, "hidden_size")
+    grouped_width = (config_value(config, "o_groups") or 0) * (config_value(config, "o_lora_rank") or 0)
     # o_proj writes the residual stream: of the projections as wide as it, the one registered last (Llama's q_proj is
     # as wide too; Phi-3 registers o_proj before qkv_proj)
     back = [name for name, m in projections if _widths(m)[1] == hidden] or [name for name, _ in projections[1:]]
     for name, module in projections:
         if back and name == back[-1]:
             role = "o_proj"
+        elif grouped_width and _widths(module)[1] == grouped_width:
+            role = "o_proj"  # the grouped half of a grouped output projection, which feeds the other
         elif latent and _widths(module)[0] == latent:
             role = "kv_expand"
         else:
             role = "qkv_proj"
         roles[f"{prefix}.{name}"] = role
     for name, module in attn.named_modules():
-        if name and is_norm(module):
+        if name and id(module) not in inside and is_norm(module):
             weight = getattr(module, "weight", None)  # None: a norm without a learned scale
             per_head = head_dim and weight is not None and weight.shape[0] == head_dim
             roles[f"{prefix}.{name}"] = "qk_norm" if per_head else "norm"
