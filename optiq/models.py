@@ -345,8 +345,10 @@ def check_weights(path: Path, config) -> None:
 
 
 def constant_parameters(model: torch.nn.Module) -> list[str]:
-    """The names of the parameters whose elements are all one value (initialisation's ones and zeros)."""
-    return [name for name, param in model.named_parameters() if bool((param == param.flatten()[0]).all())]
+    """The names of the parameters whose elements are all one value (initialisation's ones and zeros); a parameter
+    of one element (mHC's scales) when it holds exactly 0 or 1."""
+    return [name for name, param in model.named_parameters() if bool((param == param.flatten()[0]).all())
+            and (param.numel() > 1 or param.item() in (0.0, 1.0))]
 
 
 @torch.no_grad()
