@@ -4,7 +4,8 @@ then keeps (or rolls back, for a kernel wrong on them)."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, Phi3Config
+from transformers import AutoModelForCausalLM, DeepseekV4Config, Gemma3TextConfig, Phi3Config
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -13,7 +14,8 @@ from optiq.gate import GatePlan, validate
 from optiq.gate.mutants import verify
 from optiq.models import load_model
 from optiq.patching import apply, unpatch
-from optiq.patching.structure import gated_mlp, pre_norm_decoder_layer, rms_norm, sandwich_norm_decoder_layer
+from optiq.patching.structure import (gated_mlp, hyper_connection, pre_norm_decoder_layer, rms_norm,
+                                      sandwich_norm_decoder_layer)
 
 from wrong_kernels import user_recipe
 
@@ -211,3 +213,34 @@ def test_sandwich_norm_layers_are_found_and_their_mutants_killed(spec):
         status.values()) == {"killed"}, status
     llama = load_model("tiny-llama", torch.float32, torch.device("cpu"))
     assert sandwich_norm_decoder_layer(llama.model.layers[0]) is None
+
+
+def test_hyper_connections_are_found_by_what_they_compute():
+    """DeepSeek-V4's mHC is found with the Sinkhorn iteration count and eps its config gives (read from what the
+    module computes, not from its attribute names); its final collapse (one output, no Sinkhorn) and a norm are not
+    hyper-connections."""
+    config = DeepseekV4Config(hidden_size=32, hc_mult=4, hc_sinkhorn_iters=7, hc_eps=1e-4, rms_norm_eps=1e-5)
+    site = hyper_connection(DeepseekV4HyperConnection(config))
+    assert (site.iterations, site.hc_eps, site.norm_eps) == (7, 1e-4, 1e-5)
+    model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
+    assert all(hyper_connection(layer.attn_hc) and hyper_connection(layer.ffn_hc) for layer in model.model.layers)
+    assert hyper_connection(model.model.hc_head) is None
+    assert hyper_connection(model.model.layers[0].input_layernorm) is None
+
+
+def test_hyper_connection_recipe_is_kept_and_its_wrong_kernels_rolled_back(tmp_path):
+    """On both passes of the gate with every mutant that applies; a Sinkhorn loop run once and a forgotten base
+    are rolled back."""
+    model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
+    plan = GatePlan((2,), steps=3, prompt_len=5)
+    result = verify(model, [load_catalog()["hyper_connection"]], plan)["hyper_connection"]
+    assert result.real == "passed", result.real
+    status = {mutant.name: mutant.status for mutant in result.mutants}
+    assert {"rows 0 and 1 swapped", "last row stale", "first block dropped"} <= set(status) and set(
+        status.values()) == {"killed"}, status
+    for fusion in ("mixing_single_iteration", "mixing_without_base"):
+        patches = apply(model, [user_recipe(tmp_path / fusion, "hyper_connection", "wrong",
+                                            fusion=f"wrong_kernels:{fusion}")])
+        report = validate(patches, plan)
+        assert report.rolled_back == ["wrong"] and "error" in report.recipes["wrong"].reason, (fusion, report)
+        assert all("forward" not in vars(m) for m in model.modules())

@@ -15,6 +15,7 @@ from optiq.fusions.moe_router import route_reference
 from optiq.fusions.rmsnorm import rmsnorm_reference
 from optiq.fusions.rope import rope_reference
 from optiq.fusions.swiglu import swiglu_reference
+from optiq.patching.structure import stream_mixing
 
 
 def user_recipe(directory: Path, base: str, name: str, **fields: str):
@@ -124,3 +125,15 @@ def attention_whole_blocks_only(q, k_cache, v_cache, lengths, scale):
     """Decode attention whose split loop covers whole 16-position blocks only: a partial last block is dropped, which
     a context that is a multiple of 16 never shows."""
     return decode_attention_reference(q, k_cache, v_cache, lengths // 16 * 16, scale)
+
+
+def mixing_single_iteration(streams, fn, base, scale, norm_eps, hc_eps, iterations):
+    """A hyper-connection whose Sinkhorn loop ignores its count and normalises once (columns only): comb is no longer
+    doubly stochastic. (One iteration short would be no bug on these weights: Sinkhorn has converged to fp32's
+    precision long before the 20th.)"""
+    return stream_mixing(streams, fn, base, scale, norm_eps, hc_eps, 1)
+
+
+def mixing_without_base(streams, fn, base, scale, norm_eps, hc_eps, iterations):
+    """A hyper-connection that forgot its learned base (HF initialises it to zeros)."""
+    return stream_mixing(streams, fn, torch.zeros_like(base), scale, norm_eps, hc_eps, iterations)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from optiq.errors import OptiqError
+
 
 def decode_cache_len(prompt_len: int, steps: int) -> int:
     """The cache of a teacher-forced decode of ``steps`` steps after a prompt of ``prompt_len``."""
@@ -29,6 +31,9 @@ class GatePlan:
     def for_workload(cls, concurrencies, steps: int, prompt_len: int, max_len: int, mode: str) -> GatePlan:
         """The plan for a measured workload: its concurrencies and mode, and its prompt cut to leave the
         teacher-forced steps room in a cache of ``max_len``."""
+        if max_len - steps - 1 < 1:
+            raise OptiqError(f"--max-len {max_len} leaves the gate's {steps} decode steps no room for a prompt: "
+                             f"give --max-len at least {steps + 2} or fewer --gate-steps")
         return cls(tuple(concurrencies), steps, min(prompt_len, max_len - steps - 1), mode, max_len=max_len)
 
     @property

@@ -239,6 +239,81 @@ def sandwich_norm_decoder_layer(module: torch.nn.Module) -> SandwichSite | None:
     return None
 
 
+@dataclass(frozen=True)
+class HyperConnectionSite:
+    """A hyper-connection's constants, as its forward uses them."""
+    norm_eps: float  # the unweighted norm's
+    hc_eps: float  # added to pre and comb, and to every Sinkhorn denominator
+    iterations: int  # Sinkhorn iterations
+
+
+def stream_mixing(streams, fn, base, scale, norm_eps, hc_eps, iterations):
+    """What a hyper-connection computes (DeepSeek-V4's mHC): the streams [..., N, D] normalised without weight and
+    projected by fn into pre (sigmoid, + hc_eps), post (twice a sigmoid) and comb (a row softmax + hc_eps, made
+    doubly stochastic by Sinkhorn: columns first, then rows and columns for the remaining iterations), each scaled
+    by its scale and shifted by its base; returns (post, comb, the streams collapsed by pre)."""
+    n = streams.shape[-2]
+    flat = streams.flatten(-2).to(fn.dtype)
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre_w, post_w, comb_w = torch.nn.functional.linear(flat, fn).split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iterations - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+
+
+def hyper_connection(module: torch.nn.Module) -> HyperConnectionSite | None:
+    """A hyper-connection: parameters ``fn`` [(2 + N) N, N D], ``base`` [(2 + N) N] and ``scale`` [3], one child
+    norm without parameters that keeps an eps, and a forward from the streams [..., N, D] to (post, comb,
+    collapsed) as ``stream_mixing`` computes them. Its hc_eps and Sinkhorn iteration count are found among the
+    module's float and int attributes: the combination that comes closest to its output on a float64 copy with
+    random parameters, to fp32's precision (where HF computes)."""
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) != {"fn", "base", "scale"} or params["scale"].shape != (3,) or params["base"].dim() != 1:
+        return None
+    outputs = params["base"].shape[0]
+    n = round((outputs + 1) ** 0.5) - 1
+    fn = params["fn"]
+    if n < 1 or (2 + n) * n != outputs or fn.shape[0] != outputs or fn.dim() != 2 or fn.shape[1] % n:
+        return None
+    norms = [child for child in module.children() if next(child.parameters(), None) is None and any(
+        type(getattr(child, name, None)) is float for name in EPS_ATTRIBUTES)]
+    if len(norms) != 1 or len(list(module.children())) != 1:
+        return None
+    norm_eps = next(getattr(norms[0], name) for name in EPS_ATTRIBUTES if type(getattr(norms[0], name, None)) is float)
+    floats = [value for value in vars(module).values() if type(value) is float]
+    ints = [value for value in vars(module).values() if type(value) is int and value >= 1]
+    probe = copy.deepcopy(module).to(torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        probe.fn.copy_(torch.randn(fn.shape, dtype=torch.float64, generator=generator) / fn.shape[1] ** 0.5)
+        probe.base.copy_(torch.randn(outputs, dtype=torch.float64, generator=generator))
+        probe.scale.copy_(1 + 0.5 * torch.randn(3, dtype=torch.float64, generator=generator))
+        streams = torch.randn(1, PROBE_ROWS, n, fn.shape[1] // n, dtype=torch.float64, generator=generator)
+        try:
+            got = type(module).forward(probe, streams.to(fn.device))
+        except Exception:  # noqa: BLE001 - another signature: another structure
+            return None
+        if not (isinstance(got, tuple) and len(got) == 3 and all(isinstance(t, torch.Tensor) for t in got)):
+            return None
+        errors = {}
+        for hc_eps in floats:
+            for iterations in ints:
+                want = stream_mixing(streams.to(fn.device), probe.fn, probe.base, probe.scale, norm_eps, hc_eps,
+                                     iterations)
+                if all(g.shape == w.shape for g, w in zip(got, want)):
+                    errors[HyperConnectionSite(norm_eps, hc_eps, iterations)] = max(
+                        ((g - w).norm() / w.norm()).item() for g, w in zip(got, want))
+    # HF casts to fp32 whatever it is given: agreement to fp32's precision is a match, and the closest one is it
+    site = min(errors, key=errors.get, default=None)
+    return site if site is not None and errors[site] < 1e-5 else None
+
+
 STRUCTURES = {"rms_norm": rms_norm, "gated_mlp": gated_mlp, "qkv_attention": qkv_attention,
               "pre_norm_decoder_layer": pre_norm_decoder_layer,
-              "sandwich_norm_decoder_layer": sandwich_norm_decoder_layer}
+              "sandwich_norm_decoder_layer": sandwich_norm_decoder_layer, "hyper_connection": hyper_connection}

@@ -1,0 +1,139 @@
+"""A hyper-connection's mixing weights (DeepSeek-V4's mHC) in two kernels instead of about a hundred.
+
+A token carries N residual streams of width D. Before each attention or MLP block, HF normalises the flattened
+streams (an RMSNorm without weight), projects them with a [(2 + N) N, N D] fp32 matrix, turns the projection into
+collapse weights ``pre`` (a sigmoid), expansion weights ``post`` (twice a sigmoid) and an N x N mixing matrix ``comb``
+(a softmax made doubly stochastic by Sinkhorn-Knopp iterations), and collapses the streams into the block's input
+with ``pre``. Every step is a few tiny kernels, and the Sinkhorn loop alone is ~80 a call at 20 iterations: at decode
+the GPU waits on launches.
+
+Here the first kernel takes the projection's partial dot products over slices of N D (every token and slice a
+program, so one token still fills the GPU), the second everything else for one token: the sums of squares (the norm
+is unweighted, so its scale factors out of the dot products), the activations, Sinkhorn on the N x N matrix in
+registers, and the collapse. All in fp32 as HF computes it; the partial sums are added in a fixed order.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from optiq.fusions.launch import launch_options, wait_for_predecessor
+
+BLOCK_K = 256  # elements of N D a program of the projection reads
+BLOCK_D = 128  # hidden elements of all N streams the collapse reads at a time
+
+
+@triton.jit
+def _project_kernel(x_ptr, fn_ptr, partial_ptr, K, OUTPUTS, stride_xt, stride_fo, stride_pt, stride_ps,
+                    OUT_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """partial[t, s, o] = sum over the s-th slice of K of x[t, k] * fn[o, k]."""
+    wait_for_predecessor(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    outs = tl.arange(0, OUT_BLOCK)
+    x = tl.load(x_ptr + token * stride_xt + ks, mask=ks < K, other=0.0).to(tl.float32)
+    w = tl.load(fn_ptr + outs[:, None] * stride_fo + ks[None, :], mask=(outs[:, None] < OUTPUTS) & (ks[None, :] < K),
+                other=0.0).to(tl.float32)
+    tl.store(partial_ptr + token * stride_pt + split * stride_ps + outs, tl.sum(w * x[None, :], axis=1),
+             mask=outs < OUTPUTS)
+
+
+@triton.jit
+def _mix_kernel(x_ptr, partial_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
+                D, SPLITS, norm_eps, hc_eps, iterations,
+                stride_xt, stride_pt, stride_ps, stride_post, stride_comb, stride_out,
+                N: tl.constexpr, N_BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                USE_PDL: tl.constexpr):
+    """One token: the norm's scale, pre / post / comb from the projection, Sinkhorn, and the collapsed streams."""
+    wait_for_predecessor(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + token * stride_xt
+    streams = tl.arange(0, N_BLOCK)
+    cols = tl.arange(0, BLOCK_D)
+    stream_mask = streams < N
+
+    squares = tl.zeros((N_BLOCK, BLOCK_D), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        mask = stream_mask[:, None] & (cols[None, :] + d0 < D)
+        x = tl.load(x_row + streams[:, None] * D + cols[None, :] + d0, mask=mask, other=0.0).to(tl.float32)
+        squares += x * x
+    rstd = tl.rsqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / (N * D) + norm_eps)
+
+    # The projection's outputs: pre at [0, N), post at [N, 2N), comb at 2N + i N + j; each the sum of its splits.
+    splits = tl.arange(0, SPLIT_BLOCK)
+    split_rows = partial_ptr + token * stride_pt + splits * stride_ps
+    split_mask = splits < SPLITS
+    vector_mask = split_mask[:, None] & stream_mask[None, :]
+    pre_w = tl.sum(tl.load(split_rows[:, None] + streams[None, :], mask=vector_mask, other=0.0), axis=0) * rstd
+    post_w = tl.sum(tl.load(split_rows[:, None] + N + streams[None, :], mask=vector_mask, other=0.0), axis=0) * rstd
+    square = streams[:, None] * N + streams[None, :]
+    square_mask = stream_mask[:, None] & stream_mask[None, :]
+    comb_w = tl.sum(tl.load(split_rows[:, None, None] + 2 * N + square[None, :, :],
+                            mask=split_mask[:, None, None] & square_mask[None, :, :], other=0.0), axis=0) * rstd
+
+    scale_pre = tl.load(scale_ptr).to(tl.float32)
+    scale_post = tl.load(scale_ptr + 1).to(tl.float32)
+    scale_comb = tl.load(scale_ptr + 2).to(tl.float32)
+    pre = tl.sigmoid(pre_w * scale_pre + tl.load(base_ptr + streams, mask=stream_mask, other=0.0).to(tl.float32))
+    pre += hc_eps
+    post = 2.0 * tl.sigmoid(post_w * scale_post + tl.load(base_ptr + N + streams, mask=stream_mask,
+                                                          other=0.0).to(tl.float32))
+    logits = comb_w * scale_comb + tl.load(base_ptr + 2 * N + square, mask=square_mask, other=0.0).to(tl.float32)
+    logits = tl.where(square_mask, logits, -1e30)  # padding: no weight in a real row, no inf - inf in its own
+    shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb = tl.where(square_mask, shifted / tl.sum(shifted, axis=1)[:, None] + hc_eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in range(iterations - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    tl.store(post_ptr + token * stride_post + streams, post, mask=stream_mask)
+    tl.store(comb_ptr + token * stride_comb + square, comb, mask=square_mask)
+
+    for d0 in range(0, D, BLOCK_D):
+        mask = stream_mask[:, None] & (cols[None, :] + d0 < D)
+        x = tl.load(x_row + streams[:, None] * D + cols[None, :] + d0, mask=mask, other=0.0).to(tl.float32)
+        collapsed = tl.sum(tl.where(mask, pre[:, None] * x, 0.0), axis=0)
+        tl.store(out_ptr + token * stride_out + cols + d0, collapsed.to(out_ptr.dtype.element_ty), mask=cols + d0 < D)
+
+
+@torch.library.triton_op("optiq::hyper_connection", mutates_args=())
+def _hyper_connection_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                         norm_eps: float, hc_eps: float, iterations: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    *leading, n, d = streams.shape
+    x = streams.reshape(-1, n * d)
+    tokens, outputs = x.shape[0], fn.shape[0]
+    splits = triton.cdiv(n * d, BLOCK_K)
+    partial = torch.empty((tokens, splits, outputs), dtype=torch.float32, device=streams.device)
+    post = torch.empty((tokens, n), dtype=torch.float32, device=streams.device)
+    comb = torch.empty((tokens, n, n), dtype=torch.float32, device=streams.device)
+    collapsed = torch.empty((tokens, d), dtype=streams.dtype, device=streams.device)
+    options = launch_options(streams)
+    torch.library.wrap_triton(_project_kernel)[(tokens, splits)](
+        x, fn, partial, n * d, outputs, x.stride(0), fn.stride(0), partial.stride(0), partial.stride(1),
+        OUT_BLOCK=triton.next_power_of_2(outputs), BLOCK_K=BLOCK_K, **options)
+    torch.library.wrap_triton(_mix_kernel)[(tokens,)](
+        x, partial, base, scale, post, comb, collapsed, d, splits, norm_eps, hc_eps, iterations,
+        x.stride(0), partial.stride(0), partial.stride(1), post.stride(0), comb.stride(0), collapsed.stride(0),
+        N=n, N_BLOCK=triton.next_power_of_2(n), SPLIT_BLOCK=triton.next_power_of_2(splits), BLOCK_D=BLOCK_D,
+        **options)
+    return post.view(*leading, n), comb.view(*leading, n, n), collapsed.view(*leading, d)
+
+
+def hyper_connection(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                     norm_eps: float, hc_eps: float, iterations: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [..., N, D], fn [(2 + N) N, N D], base [(2 + N) N] and scale [3] (read as fp32) -> (post [..., N],
+    comb [..., N, N], both fp32; collapsed [..., D] in the streams' dtype): HF's DeepseekV4HyperConnection.forward,
+    the norm's eps ``norm_eps``, ``hc_eps`` added where HF adds it, ``iterations`` Sinkhorn iterations."""
+    n, d = streams.shape[-2:]
+    outputs = (2 + n) * n
+    if fn.shape != (outputs, n * d) or base.shape != (outputs,) or scale.shape != (3,):
+        raise ValueError(f"fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} do not "
+                         f"mix {n} streams of {d}")
+    if iterations < 1:
+        raise ValueError(f"{iterations} Sinkhorn iterations: at least one is needed")
+    return torch.ops.optiq.hyper_connection(streams.contiguous(), fn.contiguous(), base, scale, float(norm_eps),
+                                            float(hc_eps), int(iterations))
+
