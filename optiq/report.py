@@ -48,7 +48,7 @@ class Lines:
 
     @property
     def empty(self) -> bool:
-        return not any(values for _, values, _ in self.series)
+        return not any(_logs(values) for _, values, _ in self.series)
 
     def y_range(self) -> tuple[tuple[float, float], str]:
         """The log10 range of the y axis, and what to say where the floor lies off it.
@@ -57,10 +57,10 @@ class Lines:
         it does not (a floor of ~10^5 tok/s over measurements of 1 to 10^3 would squash them at the bottom of five
         decades), so it is left out and named in the returned text instead.
         """
-        measured = [math.log10(v) for _, values, _ in self.series for v in values.values() if v > 0]
+        measured = [log for _, values, _ in self.series for log in _logs(values)]
         low, high = min(measured), max(measured)
         name, values = self.floor
-        floor = [math.log10(v) for v in values.values() if v > 0]
+        floor = _logs(values)
         off = ""
         if floor and low - FLOOR_REACH <= min(floor) and max(floor) <= high + FLOOR_REACH:
             low, high = min(low, *floor), max(high, *floor)
@@ -71,6 +71,11 @@ class Lines:
                    f"({factor:,.0f}x {side} the measured lines)")
         pad = max(0.05, 0.08 * (high - low))
         return (low - pad, high + pad), off
+
+
+def _logs(values: dict[int, float]) -> list[float]:
+    """The log10 of the values a log axis can show: positive and finite (a hand-edited record may hold others)."""
+    return [math.log10(v) for v in values.values() if 0 < v < math.inf]
 
 
 @dataclass

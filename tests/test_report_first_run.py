@@ -272,3 +272,12 @@ def test_the_stacked_bars_stand_beside_the_timed_step_of_the_throughput_table(cp
     assert profiled == pytest.approx(382.24) and layout["title"]["text"].startswith("CPU self time per decode step")
     assert "They measure different things: the profile counts the ops or kernels alone, not the time between them" \
         in page
+
+
+def test_values_a_log_axis_cannot_show_are_left_out_of_its_range():
+    from optiq.report import Lines
+
+    assert Lines("t", "tok/s", [("a", {1: 0.0, 2: math.inf, 4: math.nan}, "solid")]).empty
+    plot = Lines("t", "tok/s", [("a", {1: 10.0, 2: -1.0, 4: math.inf}, "solid")], ("floor", {1: 0.0, 2: 50.0}))
+    (low, high), off = plot.y_range()
+    assert low < 1 < math.log10(50) < high and off == ""
