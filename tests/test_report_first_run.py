@@ -163,9 +163,11 @@ def figures(page: str) -> list[tuple[list[dict], dict]]:
     return found
 
 
-@pytest.fixture
-def cpu_pages(tmp_path):
-    """report.md and report.html of the CPU run, and the compare.html of the H200 run (A) against it (B)."""
+@pytest.fixture(scope="module")
+def cpu_pages(tmp_path_factory):
+    """report.md and report.html of the CPU run, and the compare.html of the H200 run (A) against it (B), rendered
+    once for the tests that read them."""
+    tmp_path = tmp_path_factory.mktemp("pages")
     cpu, gpu = (tmp_path / "cpu", cpu_report()), (tmp_path / "gpu", h200_report())
     for path, doc in (cpu, gpu):
         path.mkdir()
