@@ -427,9 +427,10 @@ def smoke_notice(run: RunRecord, verdict_at: str = "first below") -> str:
                    else "")
     text = (f"Smoke run: timed {where}{interpreted}, so the timings below say nothing about GPU speed: the "
             f"speed-up, the time saved and the share of the bandwidth floor are {NOT_MEANINGFUL}.")
-    pipeline = " and that the whole pipeline runs" if run.status == "complete" else ""
     if run.fusion is None:
-        return text + f" What it shows: that the model loads and decodes under optiq's engine{pipeline}."
+        return text + " What it shows: the model loads and decodes under optiq's engine."
+    pipeline = ", and that the whole pipeline (profile, fuse, gate, re-measure, report) runs" if (
+        run.status == "complete") else ""
     return (text + f" What it proves holds on any device: the validation gate's verdict ({verdict_at}), each fused "
             "kernel checked against a float64 run of the original path and the fused model's greedy decode, end to "
             f"end, against a higher-precision reference{pipeline}. For speed, run it on a CUDA GPU.")
