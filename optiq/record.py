@@ -28,13 +28,16 @@ RECORD_FILES = {"apply-fusion": "report.json", "bench": "results.json"}  # the f
 
 @dataclass
 class Environment:
-    """What a number depends on besides the code."""
+    """What a number depends on besides the code. ``kind`` and ``triton_interpreter`` tell the report whether its
+    timings mean anything: on the CPU, or with Triton's interpreter, they are smoke numbers (``RunRecord.smoke``)."""
     device: str
     torch: str
     transformers: str
-    cuda: str | None
+    cuda: str | None  # the CUDA torch was built for, present on a CUDA build run on the CPU too
     python: str
     optiq: str
+    kind: str = ""  # the device's type, cpu or cuda; empty in a record written before optiq kept it
+    triton_interpreter: bool = False  # TRITON_INTERPRET was on: kernels ran as Python, not as compiled GPU code
 
 
 @dataclass
@@ -50,13 +53,15 @@ class Workload:
 class Row:
     """One measured point: a variant (the engine's mode, a peer such as ``compile+graph``, or ``optiq+graph``) at one
     concurrency. ``status`` is ok, oom (out of memory) or failed (a peer that raised: ``error`` says how); the numbers
-    are there when it is ok."""
+    are there when it is ok. A repeat's ms/step is its mean on CUDA (events around the whole repeat) and its median
+    step on the CPU (each step timed, so a step stalled by another process does not count); ``ms_per_step`` is the
+    median repeat."""
     variant: str
     mode: str
     concurrency: int
     status: str
     tok_per_s: float | None = None
-    ms_per_step: float | None = None  # median over the repeats
+    ms_per_step: float | None = None  # the median repeat
     ms_per_step_repeats: list[float] = field(default_factory=list)
     prefill_ms: float | None = None
     warmup_s: float | None = None  # warm-up steps: where a graph is captured and torch.compile compiles
@@ -65,6 +70,8 @@ class Row:
     floor_tok_per_s: float | None = None
     pct_of_floor: float | None = None
     error: str | None = None
+    smoke: bool = False  # timed on the CPU or with Triton's interpreter: it shows the step runs, not a GPU's speed
+    threads: int | None = None  # the torch CPU threads it was timed with (optiq.measure.timing.fixed_threads)
 
     @property
     def is_compile(self) -> bool:
@@ -202,6 +209,12 @@ class RunRecord:
     attribution_after: dict[str, dict] = field(default_factory=dict)
     mode_note: str = ""  # why the run is in eager mode where graph mode was asked for
     schema: int = SCHEMA_VERSION
+
+    @property
+    def smoke(self) -> bool:
+        """Whether the run's timings are smoke numbers: measured on the CPU, or with Triton's interpreter running the
+        kernels. They show the run works; they say nothing about a GPU's speed, before or after fusing."""
+        return self.environment.kind == "cpu" or self.environment.triton_interpreter
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

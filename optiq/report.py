@@ -9,20 +9,22 @@ without it the Markdown is still written and the HTML is skipped with a note.
 from __future__ import annotations
 
 import html
-import json
 import math
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 from optiq import record
 from optiq.errors import OptiqError
-from optiq.record import CompiledAhead, Fusion, Row, RunRecord
+from optiq.record import CompiledAhead, EndToEndVerdict, Fusion, Row, RunRecord
 from optiq.rundir import write_atomic
 from optiq.text import visible
 
 STACK_CLASSES = 8  # op classes drawn in the stacked bars; the rest are summed as REST
 REST = "the rest"  # not "other", which is an op class of its own
+FLOOR_REACH = 1.0  # decades beyond the measured values a plot's axis stretches to show the bandwidth floor
+NOT_MEANINGFUL = "not meaningful"
 
 
 @dataclass
@@ -35,23 +37,56 @@ class Table:
 
 @dataclass
 class Lines:
-    """Values against concurrency, one line per series, log-log; ``dash`` tells measurements from references."""
+    """Measured values against concurrency, one line per series (``dash`` tells the model's own from a peer's),
+    log-log, with the bandwidth floor as a reference where the axis fitted to the measurements reaches it
+    (``y_range``)."""
 
     title: str
     y_title: str
-    series: list[tuple[str, dict[int, float], str]]  # (name, {concurrency: value}, "solid" | "dash" | "dot")
+    series: list[tuple[str, dict[int, float], str]]  # (name, {concurrency: value}, "solid" | "dash")
+    floor: tuple[str, dict[int, float]] = ("", {})  # (name, {concurrency: value}), drawn dotted
 
     @property
     def empty(self) -> bool:
-        return not any(values for _, values, _ in self.series)
+        return not any(_logs(values) for _, values, _ in self.series)
+
+    def y_range(self) -> tuple[tuple[float, float], str]:
+        """The log10 range of the y axis, and what to say where the floor lies off it.
+
+        The axis fits the measured values; the floor joins them when it lies within FLOOR_REACH decades. On the CPU
+        it does not (a floor of ~10^5 tok/s over measurements of 1 to 10^3 would squash them at the bottom of five
+        decades), so it is left out and named in the returned text instead.
+        """
+        measured = [log for _, values, _ in self.series for log in _logs(values)]
+        low, high = min(measured), max(measured)
+        name, values = self.floor
+        floor = _logs(values)
+        off = ""
+        if floor and low - FLOOR_REACH <= min(floor) and max(floor) <= high + FLOOR_REACH:
+            low, high = min(low, *floor), max(high, *floor)
+        elif floor:
+            side, factor = ("above", 10 ** (min(floor) - high)) if min(floor) > high else (
+                "below", 10 ** (low - max(floor)))
+            off = (f"{name}: {_number(10 ** min(floor))} to {_number(10 ** max(floor))} {self.y_title}, off this axis "
+                   f"({factor:,.0f}x {side} the measured lines)")
+        pad = max(0.05, 0.08 * (high - low))
+        return (low - pad, high + pad), off
+
+
+def _logs(values: dict[int, float]) -> list[float]:
+    """The log10 of the values a log axis can show: positive and finite (a hand-edited record may hold others)."""
+    return [math.log10(v) for v in values.values() if 0 < v < math.inf]
 
 
 @dataclass
 class Stack:
-    """GPU ms/step by op class, one stacked bar per (concurrency, state)."""
+    """Profiled ms/step by op class, one stacked bar per (concurrency, state), and the timed step of the same state
+    as a marker beside it: the two measure different things, which ``note`` says."""
 
     title: str
-    bars: list[tuple[str, str, dict[str, float]]]  # (concurrency label, state label, {op class: ms/step})
+    bars: list[tuple[str, str, dict[str, float], float | None]]  # (concurrency label, state label,
+    # {op class: ms/step}, the timed ms/step)
+    note: str = ""
 
     @property
     def empty(self) -> bool:
@@ -60,10 +95,14 @@ class Stack:
 
 @dataclass
 class Document:
+    """A report: its notice (what its numbers mean, first), facts, tables and plots. In the HTML the plots come after
+    the first ``lead`` tables: a report leads with the gate's verdict, then the throughput they illustrate."""
     title: str
     facts: list[tuple[str, str]]
     tables: list[Table]
     plots: list[Lines | Stack] = field(default_factory=list)
+    notice: str = ""
+    lead: int = 0
 
 
 # --- reading -------------------------------------------------------------------------------------------------------
@@ -215,13 +254,25 @@ def _c_label(concurrency: int) -> str:
     return f"C={concurrency}"
 
 
+def _throughput_title(*runs: RunRecord) -> str:
+    """The throughput table's title, which on a smoke run says what its numbers are before anyone reads them."""
+    return "Decode throughput" + (": smoke numbers, not GPU speed" if any(r.smoke for r in runs) else "")
+
+
 def headline_table(run: RunRecord) -> Table:
+    """Throughput per concurrency; on a smoke run the speed-up is labelled not meaningful where it stands, so a
+    0.03x of interpreted kernels is never read as a result."""
     rows = [[str(h["concurrency"]), _fmt(h["before_tok_per_s"]), _fmt(h["after_tok_per_s"]),
              _fmt(h["speedup"], ".2f", "×"), _fmt(h["compile_tok_per_s"]), _fmt(h["after_vs_compile"], ".2f", "×"),
              _fmt(h["floor_tok_per_s"]), _fmt(h["after_pct_of_floor"])] for h in headline(run)]
-    return Table("Decode throughput", ["C", "before tok/s", "after tok/s", "speed-up", "torch.compile tok/s",
-                                       "after / compile", "floor tok/s", "after % of floor"], rows,
-                 "speed-up = after / before; floor = the bytes a step must read over the copy bandwidth")
+    note = "speed-up = after / before; floor = the bytes a step must read over the copy bandwidth"
+    if run.smoke:
+        note = (f"smoke numbers ({_smoke_cause(run)}): the speed-up, after / compile and % of floor are "
+                f"{NOT_MEANINGFUL}; {note}")
+    return Table(_throughput_title(run), ["C", "before tok/s", "after tok/s",
+                                          f"speed-up ({NOT_MEANINGFUL})" if run.smoke else "speed-up",
+                                          "torch.compile tok/s", "after / compile", "floor tok/s", "after % of floor"],
+                 rows, note)
 
 
 def gated_parameters(run: RunRecord) -> str:
@@ -285,7 +336,8 @@ def savings_table(run: RunRecord) -> Table:
         rows.append(["predicted: applied set (ms/step)",
                      *[_fmt(sum(v[c] for v in predicted.values() if c in v) if any(c in v for v in predicted.values())
                            else None, ".3f") for c in concurrencies]])
-    rows.append(["measured: time saved (ms/step, before − after)",
+    smoke = f"; {NOT_MEANINGFUL}: smoke numbers" if run.smoke else ""
+    rows.append([f"measured: time saved (ms/step, before − after{smoke})",
                  *[_fmt(s["measured_ms_per_step"][c], ".3f") for c in concurrencies]])
     rows.append(["measured: kernels removed per step (profiled)",
                  *[_fmt(s["kernels_removed_per_step"][c], ",.0f") for c in concurrencies]])
@@ -298,24 +350,44 @@ def _series(rows: dict[int, Row], key: str) -> dict[int, float]:
     return {c: getattr(r, key) for c, r in rows.items() if r.status == "ok" and getattr(r, key) is not None}
 
 
-def _throughput_plots(runs: list[tuple[str, dict[int, Row], str]], floor_name: str,
-                      reference: dict[int, Row]) -> list[Lines]:
-    """tok/s and ms/step against concurrency for each run, with the bandwidth floor of ``reference`` as a line."""
-    return [Lines(title, y_title, [(name, _series(rows, key), dash) for name, rows, dash in runs]
-                  + [(floor_name, _series(reference, floor), "dot")])
+def _throughput_plots(runs: list[tuple[str, dict[int, Row], str]], floor_name: str, reference: dict[int, Row],
+                      smoke: bool) -> list[Lines]:
+    """tok/s and ms/step against concurrency for each run, with the bandwidth floor of ``reference``; on a smoke run
+    the titles say what the numbers are."""
+    suffix = " (smoke numbers, not GPU speed)" if smoke else ""
+    return [Lines(title + suffix, y_title, [(name, _series(rows, key), dash) for name, rows, dash in runs],
+                  (floor_name, _series(reference, floor)))
             for title, y_title, key, floor in (
                 ("Decode throughput against concurrency", "tok/s", "tok_per_s", "floor_tok_per_s"),
                 ("Decode step time against concurrency", "ms/step", "ms_per_step", "floor_ms_per_step"))]
 
 
-def _stack(states: list[tuple[str, dict]], concurrencies: list[int]) -> Stack:
-    """Op-class bars per concurrency and state, titled by what was timed (GPU time, or CPU self time without a GPU)."""
-    units = {entry.get("summary", {}).get("time_unit") for _, attribution in states
-             for entry in attribution.values()} - {None}
-    unit = units.pop() if len(units) == 1 else "GPU time"
-    return Stack(f"{unit} per decode step by op class",
-                 [(_c_label(c), label, _op_classes(attribution, c))
-                  for c in concurrencies for label, attribution in states if _op_classes(attribution, c)])
+def _time_unit(attributions: list[dict]) -> str:
+    """What the profiles timed: "GPU time" (kernels), "CPU self time" (ops, without a GPU), or both named when the
+    runs compared differ; "profiled time" without a profile."""
+    units = sorted({entry.get("summary", {}).get("time_unit") for attribution in attributions
+                    for entry in attribution.values()} - {None})
+    return " / ".join(units) or "profiled time"
+
+
+STACK_NOTE = ("Bars: the profiled steps' {unit} summed by op class, from the profiler's own run. Diamonds: the timed "
+              "step of the throughput table (its median repeat). They measure different things: the profile counts "
+              "the ops or kernels alone, not the time between them, and adds the profiler's cost to each; on a CPU "
+              "shared with other work the two runs also meet different loads.")
+
+
+def _stack(states: list[tuple[str, dict, dict[int, Row]]], concurrencies: list[int]) -> Stack:
+    """Op-class bars per concurrency and state (label, attribution, timed rows), titled by what was profiled, each
+    beside its state's timed step."""
+    unit = _time_unit([attribution for _, attribution, _ in states])
+    bars = []
+    for c in concurrencies:
+        for label, attribution, rows in states:
+            if classes := _op_classes(attribution, c):
+                timed = _ok(rows.get(c), "ms_per_step")
+                bars.append((_c_label(c), label, classes, timed if isinstance(timed, float) else None))
+    return Stack(f"{unit} per decode step by op class (profiled), beside the timed step", bars,
+                 STACK_NOTE.format(unit=unit))
 
 
 def _describe(run: RunRecord) -> str:
@@ -338,13 +410,81 @@ def _compiled_ahead(child: CompiledAhead) -> str:
     return f"C={batch} cache {cache} {child.status}" + (f" ({', '.join(times)})" if times else "")
 
 
+def _smoke_cause(run: RunRecord) -> str:
+    """Why a smoke run's timings say nothing about a GPU: the device, and Triton's interpreter where it ran."""
+    where = "timed on the CPU" if run.environment.kind == "cpu" else f"timed on {run.environment.device}"
+    return where + (", Triton's kernels interpreted" if run.environment.triton_interpreter else "")
+
+
+def smoke_notice(run: RunRecord, verdict_at: str = "first below") -> str:
+    """What a smoke run's report must say first (empty for a run whose timings mean what they say): its timings are
+    not GPU speed, and what the run proves all the same, the gate's verdict (``verdict_at`` says where it is)."""
+    if not run.smoke:
+        return ""
+    where = "on the CPU" if run.environment.kind == "cpu" else f"on {run.environment.device}"
+    interpreted = (", with the fused Triton kernels running under Triton's interpreter (as Python on the host, far "
+                   "slower than compiled code)" if run.environment.triton_interpreter and _fusion(run).applied
+                   else "")
+    text = (f"Smoke run: timed {where}{interpreted}, so the timings below say nothing about GPU speed: the "
+            f"speed-up, the time saved and the share of the bandwidth floor are {NOT_MEANINGFUL}.")
+    if run.fusion is None:
+        return text + " What it shows: the model loads and decodes under optiq's engine."
+    pipeline = ", and that the whole pipeline (profile, fuse, gate, re-measure, report) runs" if (
+        run.status == "complete") else ""
+    return (text + f" What it proves holds on any device: the validation gate's verdict ({verdict_at}), each fused "
+            "kernel checked against a float64 run of the original path and the fused model's greedy decode, end to "
+            f"end, against a higher-precision reference{pipeline}. For speed, run it on a CUDA GPU.")
+
+
+def _end_to_end(e: EndToEndVerdict) -> str:
+    """One end-to-end check in a line: where it ran, its result, and its numbers against their bounds."""
+    numbers = (f"logits rel err {_fmt(e.rel_err, '.2e')} against bound {_fmt(e.bound, '.2e')}, top-1 "
+               f"{_fmt(e.top1, '.3f')} against at least {_fmt(e.min_top1, '.3f')}")
+    return f"{_c_label(e.concurrency)} {'passed' if e.passed else 'failed'} ({e.problem or numbers})"
+
+
+def verdict(run: RunRecord) -> str:
+    """The gate's verdict in one line: the recipes kept, those rolled back or not applicable with why, and the end-to-
+    end checks; empty for a run that fused nothing."""
+    if run.fusion is None:
+        return ""
+    fusion, gate = run.fusion, run.fusion.gate.recipes
+
+    def why(recipe: str, reason: str) -> str:
+        return f"{recipe} ({reason})" if reason else recipe
+    parts = [f"kept {', '.join(fusion.applied) or 'none'}"]
+    if fusion.rolled_back:
+        parts.append("rolled back " + ", ".join(why(r, gate[r].reason if r in gate else "")
+                                                  for r in fusion.rolled_back))
+    if fusion.not_applicable:
+        parts.append("not applicable " + ", ".join(why(r, reason) for r, reason in fusion.not_applicable.items()))
+    checks = fusion.gate.end_to_end
+    parts.append("end to end " + ("; ".join(map(_end_to_end, checks)) if checks else "not run"))
+    return "; ".join(parts)
+
+
+def _device(run: RunRecord) -> str:
+    """The device, with how its kernels ran and the threads it was timed on where those qualify the numbers."""
+    env = run.environment
+    threads = sorted({r.threads for r in run.before + run.after if r.threads is not None})
+    how = [*(["Triton's kernels interpreted"] if env.triton_interpreter else []),
+           *([f"timed on {', '.join(map(str, threads))} torch thread{'' if threads == [1] else 's'}"]
+             if threads else [])]
+    return env.device + (f" ({'; '.join(how)})" if how else "")
+
+
 def report_document(run: RunRecord) -> Document:
+    """The report of one run. It leads with what its numbers mean (``smoke_notice``) and the gate's verdict, then the
+    throughput: a speed-up is worth something only for a model that still computes the same function."""
     env, work, fusion = run.environment, run.workload, _fusion(run)
     versions = ", ".join(f"{k} {getattr(env, k)}" for k in ("torch", "transformers", "cuda", "python", "optiq")
                          if getattr(env, k))
-    facts = [("status", STATUS_NOTE.get(run.status, run.status)), ("device", env.device), ("versions", versions),
+    repeats = f"median of {work.repeats} repeats" + (", each its median step" if env.kind == "cpu" else "")
+    facts = [("status", STATUS_NOTE.get(run.status, run.status)),
+             *([("gate verdict", verdict(run))] if run.fusion is not None else []),
+             ("device", _device(run)), ("versions", versions),
              ("workload", f"prompt {work.prompt_len} tokens, {work.new_tokens} new tokens, KV cache {work.max_len}, "
-                          f"median of {work.repeats} repeats"),
+                          f"{repeats}"),
              ("recipes requested", ", ".join(fusion.requested) or "—"),
              ("applied", ", ".join(fusion.applied) or "none"),
              ("rolled back", ", ".join(fusion.rolled_back) or "none")]
@@ -366,19 +506,23 @@ def report_document(run: RunRecord) -> Document:
     before, after = _rows(run, "before"), _rows(run, "after")
     runs = [(f"before ({run.mode})", before, "solid"), (f"after ({run.mode})", after, "solid"),
             ("torch.compile", _rows(run, "before", compiled=True), "dash")]
-    stack = _stack([("before", run.attribution_before), ("after", run.attribution_after)], _concurrencies(run))
-    return Document(f"optiq {run.command}: {_describe(run)}", facts,
-                    [headline_table(run), gate_table(run), end_to_end_table(run), savings_table(run),
-                     proposals_table(run)],
-                    [*_throughput_plots(runs, "bandwidth floor", before or after), stack])
+    stack = _stack([("before", run.attribution_before, before), ("after", run.attribution_after, after)],
+                   _concurrencies(run))
+    gate = [gate_table(run), end_to_end_table(run)] if run.fusion is not None else []
+    tables = [*gate, headline_table(run), savings_table(run), proposals_table(run)]
+    return Document(f"optiq {run.command}: {_describe(run)}", facts, tables,
+                    [*_throughput_plots(runs, "bandwidth floor", before or after, run.smoke), stack],
+                    smoke_notice(run), lead=len(gate) + 1)
 
 
 def compare_document(a: RunRecord, b: RunRecord, name_a: str, name_b: str) -> Document:
     cmp = compare_runs(a, b)
-    throughput = Table("Decode throughput", ["C", "A tok/s", "B tok/s", "B / A"],
+    attributions = [_attribution(a, cmp["state_a"]), _attribution(b, cmp["state_b"])]
+    throughput = Table(_throughput_title(a, b), ["C", "A tok/s", "B tok/s", "B / A"],
                        [[str(t["concurrency"]), _fmt(t["tok_per_s_a"]), _fmt(t["tok_per_s_b"]),
                          _fmt(t["ratio"], ".2f", "×")] for t in cmp["throughput"]])
-    op_classes = Table("GPU ms/step by op class", ["C", "op class", "A ms/step", "B ms/step", "B − A"],
+    op_classes = Table(f"{_time_unit(attributions)}: ms/step by op class", ["C", "op class", "A ms/step",
+                                                                            "B ms/step", "B − A"],
                        [[str(o["concurrency"]), o["label"], _fmt(o["gpu_ms_per_step_a"], ".3f"),
                          _fmt(o["gpu_ms_per_step_b"], ".3f"),
                          _fmt(o["delta_ms"], "+.3f")]
@@ -389,11 +533,14 @@ def compare_document(a: RunRecord, b: RunRecord, name_a: str, name_b: str) -> Do
              for side, name, run in (("A", name_a, a), ("B", name_b, b))]
     rows_a, rows_b = _rows(a, cmp["state_a"]), _rows(b, cmp["state_b"])
     concurrencies = [t["concurrency"] for t in cmp["throughput"]]
-    stack = _stack([("A", _attribution(a, cmp["state_a"])), ("B", _attribution(b, cmp["state_b"]))],
-                   concurrencies)
+    stack = _stack([("A", attributions[0], rows_a), ("B", attributions[1], rows_b)], concurrencies)
+    notices = [f"{side}: {notice}" for side, run in (("A", a), ("B", b))
+               if (notice := smoke_notice(run, "in its own report"))]
     return Document(f"optiq: {name_b} (B) against {name_a} (A)", facts, [throughput, op_classes],
                     [*_throughput_plots([(f"A: {name_a}", rows_a, "solid"), (f"B: {name_b}", rows_b, "solid")],
-                                        f"bandwidth floor ({'A' if rows_a else 'B'})", rows_a or rows_b), stack])
+                                        f"bandwidth floor ({'A' if rows_a else 'B'})", rows_a or rows_b,
+                                        a.smoke or b.smoke), stack],
+                    " ".join(notices), lead=1)
 
 
 # --- rendering -----------------------------------------------------------------------------------------------------
@@ -411,7 +558,8 @@ def _md(text: str) -> str:
 
 
 def render_markdown(doc: Document) -> str:
-    lines = [f"# {_md(doc.title)}", ""] + [f"- **{_md(k)}**: {_md(v)}" for k, v in doc.facts]
+    lines = [f"# {_md(doc.title)}", ""] + ([f"> **{_md(doc.notice)}**", ""] if doc.notice else [])
+    lines += [f"- **{_md(k)}**: {_md(v)}" for k, v in doc.facts]
     for table in doc.tables:
         lines += ["", f"## {_md(table.title)}", ""]
         if not table.rows:
@@ -425,7 +573,29 @@ def render_markdown(doc: Document) -> str:
 
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-           "#17becf"]
+           "#17becf"]  # the lines of the runs and states, in their order
+FLOOR_COLOUR = "#555555"
+# One colour per op class (optiq.traces.op_classes.CLASSES and UNATTRIBUTED) on every page, whatever else a plot
+# holds: a class keeps its colour between report.html and compare.html, and between runs. Greys are kept for "other"
+# and the rest; a label outside the classes (a user's) is hashed into the same colours.
+OP_CLASS_COLOURS = {
+    "gemm": "#1f77b4", "attention": "#ff7f0e", "copy_": "#2ca02c", "elementwise": "#d62728", "mul": "#9467bd",
+    "add": "#8c564b", "reduction": "#e377c2", "norm": "#bcbd22", "rope": "#17becf", "activation": "#aec7e8",
+    "bmm": "#ffbb78", "grouped_gemm": "#98df8a", "routing": "#ff9896", "scatter_gather": "#c5b0d5",
+    "sampling": "#c49c94", "clamp_min": "#f7b6d2", "memcpy/memset": "#dbdb8d", "unattributed": "#9edae5",
+    "other": "#7f7f7f", REST: "#c7c7c7"}
+_HASHED = [colour for label, colour in OP_CLASS_COLOURS.items() if label not in ("other", REST)]
+
+
+def op_class_colour(label: str) -> str:
+    """The colour of op class ``label`` on every page: its own, or one of the classes' picked by the label's CRC (the
+    same in every process, unlike ``hash``)."""
+    return OP_CLASS_COLOURS.get(label) or _HASHED[zlib.crc32(label.encode()) % len(_HASHED)]
+
+
+def _number(value: float) -> str:
+    """A value named in a sentence: grouped digits from 100 on, three significant ones below."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _plot_text(text: str) -> str:
@@ -439,33 +609,47 @@ def _figure(plot: Lines | Stack):
 
     fig = go.Figure()
     if isinstance(plot, Lines):
-        for i, (name, values, dash) in enumerate(plot.series):
+        y_range, off_axis = plot.y_range()
+        floor_name, floor = plot.floor
+        lines = [(name, values, {"dash": dash, "color": PALETTE[i % len(PALETTE)]})
+                 for i, (name, values, dash) in enumerate(plot.series) if values]  # a peer not measured: no legend
+        if floor and not off_axis:
+            lines.append((floor_name, floor, {"dash": "dot", "color": FLOOR_COLOUR}))
+        for name, values, line in lines:
             xs = sorted(values)
             fig.add_trace(go.Scatter(x=xs, y=[values[c] for c in xs], name=_plot_text(name), mode="lines+markers",
-                                     line={"dash": dash, "color": PALETTE[i % len(PALETTE)]}))
+                                     line=line))
+        if off_axis:
+            fig.add_annotation(text=_plot_text(off_axis), xref="paper", yref="paper", x=0, y=1, xanchor="left",
+                               yanchor="bottom", showarrow=False, font={"color": FLOOR_COLOUR})
         ticks = sorted({c for _, values, _ in plot.series for c in values})
         fig.update_xaxes(type="log", title="concurrency", tickvals=ticks, ticktext=[str(c) for c in ticks])
-        fig.update_yaxes(type="log", title=plot.y_title)
+        fig.update_yaxes(type="log", title=plot.y_title, range=list(y_range))
     else:
         totals: dict[str, float] = {}
-        for *_, classes in plot.bars:
+        for _, _, classes, _ in plot.bars:
             for label, ms in classes.items():
                 totals[label] = totals.get(label, 0.0) + ms
         shown = sorted(totals, key=totals.get, reverse=True)[:STACK_CLASSES]
-        x = [[c for c, _, _ in plot.bars], [state for _, state, _ in plot.bars]]
-        for i, label in enumerate([*shown, REST] if len(totals) > len(shown) else shown):
+        x = [[c for c, *_ in plot.bars], [state for _, state, *_ in plot.bars]]
+        for label in [*shown, REST] if len(totals) > len(shown) else shown:
             y = [sum(ms for k, ms in classes.items() if k not in shown) if label == REST else classes.get(label, 0.0)
-                 for *_, classes in plot.bars]
-            fig.add_trace(go.Bar(x=x, y=y, name=_plot_text(label), marker_color=PALETTE[i % len(PALETTE)]))
+                 for _, _, classes, _ in plot.bars]
+            fig.add_trace(go.Bar(x=x, y=y, name=_plot_text(label), marker_color=op_class_colour(label)))
+        timed = [ms for *_, ms in plot.bars]
+        if any(ms is not None for ms in timed):
+            fig.add_trace(go.Scatter(x=x, y=timed, name="timed step (throughput table)", mode="markers",
+                                     marker={"symbol": "diamond", "size": 11, "color": "#222222"}))
         fig.update_layout(barmode="stack")
         fig.update_yaxes(title="ms/step")
-    fig.update_layout(title=_plot_text(plot.title), template="plotly_white", height=460, margin={"t": 60})
+    fig.update_layout(title=_plot_text(plot.title), template="plotly_white", height=460, margin={"t": 80})
     return fig
 
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
 table{border-collapse:collapse;margin:.5em 0}th,td{border:1px solid #ccc;padding:.25em .6em;font-size:.9em}
-th{background:#f3f3f3}td{font-variant-numeric:tabular-nums}.note{color:#666;font-size:.85em}"""
+th{background:#f3f3f3}td{font-variant-numeric:tabular-nums}.note{color:#666;font-size:.85em}
+.notice{border-left:4px solid #d62728;background:#fff4f4;padding:.6em 1em;font-weight:600}"""
 
 
 def render_html(doc: Document) -> str:
@@ -478,19 +662,25 @@ def render_html(doc: Document) -> str:
     def esc(text: str) -> str:  # control characters shown as escapes there too
         return html.escape(visible(text, limit=None))
 
-    parts = [f"<h1>{esc(doc.title)}</h1>", "<ul>"] + [f"<li><b>{esc(k)}</b>: {esc(v)}</li>" for k, v in doc.facts]
-    parts.append("</ul>")
+    def table_html(table: Table) -> list[str]:
+        if not table.rows:
+            return [f"<h2>{esc(table.title)}</h2>", "<p>(none)</p>"]
+        return [f"<h2>{esc(table.title)}</h2>",
+                "<table><tr>" + "".join(f"<th>{esc(c)}</th>" for c in table.columns) + "</tr>",
+                *["<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>" for row in table.rows],
+                "</table>" + (f"<p class=note>{esc(table.note)}</p>" if table.note else "")]
+
+    parts = [f"<h1>{esc(doc.title)}</h1>", *([f"<p class=notice>{esc(doc.notice)}</p>"] if doc.notice else []),
+             "<ul>", *[f"<li><b>{esc(k)}</b>: {esc(v)}</li>" for k, v in doc.facts], "</ul>"]
+    for table in doc.tables[:doc.lead]:
+        parts += table_html(table)
     for i, plot in enumerate(p for p in doc.plots if not p.empty):
         parts.append(pio.to_html(_figure(plot), include_plotlyjs=i == 0, full_html=False, include_mathjax=False,
                                  config={"displaylogo": False}))
-    for table in doc.tables:
-        parts.append(f"<h2>{esc(table.title)}</h2>")
-        if not table.rows:
-            parts.append("<p>(none)</p>")
-            continue
-        parts.append("<table><tr>" + "".join(f"<th>{esc(c)}</th>" for c in table.columns) + "</tr>")
-        parts += ["<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>" for row in table.rows]
-        parts.append("</table>" + (f"<p class=note>{esc(table.note)}</p>" if table.note else ""))
+        if isinstance(plot, Stack) and plot.note:
+            parts.append(f"<p class=note>{esc(plot.note)}</p>")
+    for table in doc.tables[doc.lead:]:
+        parts += table_html(table)
     return (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{esc(doc.title)}</title>'
             f"<style>{CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n")
 

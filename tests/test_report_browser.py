@@ -54,7 +54,7 @@ def test_page_loads_without_errors_and_draws_every_plot(page, tmp_path):
     graphs = dom.split('class="plotly-graph-div')[1:]
     assert len(graphs) == 3 and all(g.startswith(' js-plotly-plot"') and 'class="main-svg"' in g for g in graphs)
     assert dom.count('class="gtitle"') == 3
-    assert len(re.findall(r'class="trace scatter', dom)) == 8  # before, after, torch.compile, floor; twice
+    assert len(re.findall(r'class="trace scatter', dom)) == 9  # 4 lines, twice; the timed step
     assert dom.count('class="trace bars"') == 7  # the op classes of the stacked bars
     resources = re.search(r'data-resources="([^"]*)"', dom)
     assert resources and json.loads(resources.group(1).replace("&quot;", '"')) == []

@@ -1,7 +1,8 @@
 """Throughput against concurrency: one measured point per (variant, concurrency), written as soon as it exists.
 
 A point is the standard decode measurement: prefill once, warm up (this is where a graph is captured and where
-torch.compile compiles), then decode ``new_tokens`` steps ``repeats`` times from the same prompt and take the median.
+torch.compile compiles, and every kernel runs once), then decode ``new_tokens`` steps ``repeats`` times from the same
+prompt and take the median repeat (``timing.time_repeats``: on the CPU each repeat is its median step).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from optiq.engine import WARMUP_STEPS, opened
 from optiq.errors import OptiqError
 from optiq.measure.roofline import floor_ms_per_step
-from optiq.measure.timing import Timer
+from optiq.measure.timing import Timer, fixed_threads, smoke, time_repeats
 from optiq.record import Row, Workload
 
 
@@ -45,11 +46,12 @@ def free_memory() -> None:
 
 def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: str, bandwidth: float,
                   forward=None, variant: str | None = None) -> Row:
-    """Measure decode throughput of ``model`` at concurrency ``batch``; returns one row of the sweep."""
+    """Measure decode throughput of ``model`` at concurrency ``batch``; returns one row of the sweep. On the CPU it
+    is timed on ``timing.CPU_THREADS`` threads, each repeat its median step, and marked a smoke number."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with opened(model, batch, workload.max_len, mode, forward) as engine:
+    with fixed_threads(device) as threads, opened(model, batch, workload.max_len, mode, forward) as engine:
         generator = torch.Generator().manual_seed(batch)
         prompt = torch.randint(model.config.get_text_config(decoder=True).vocab_size, (batch, workload.prompt_len),
                                generator=generator)
@@ -59,29 +61,28 @@ def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: 
         with Timer(device) as warmup:
             for _ in range(WARMUP_STEPS):
                 engine.step()
-        times = []
-        for _ in range(workload.repeats):
+
+        def reset() -> None:
             engine.seek(workload.prompt_len)
             engine.tokens.copy_(first_tokens)
-            with Timer(device) as decode:
-                for _ in range(workload.new_tokens):
-                    engine.step()
-            times.append(decode.seconds)
-    seconds = statistics.median(times)
-    ms_per_step = seconds / workload.new_tokens * 1e3
+
+        repeats = time_repeats(engine.step, reset, workload.new_tokens, workload.repeats, device)
+    ms_per_step = statistics.median(repeats) * 1e3
     mean_length = workload.prompt_len + (workload.new_tokens + 1) / 2
     floor_ms = floor_ms_per_step(model, batch, mean_length, bandwidth)
     return Row(
         variant=variant or mode, mode=mode, concurrency=batch, status="ok",
-        tok_per_s=batch * workload.new_tokens / seconds,
+        tok_per_s=batch / ms_per_step * 1e3,
         ms_per_step=ms_per_step,
-        ms_per_step_repeats=[t / workload.new_tokens * 1e3 for t in times],
+        ms_per_step_repeats=[seconds * 1e3 for seconds in repeats],
         prefill_ms=prefill.seconds * 1e3,
         warmup_s=warmup.seconds,
         peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
         floor_ms_per_step=floor_ms,
         floor_tok_per_s=batch / floor_ms * 1e3,
         pct_of_floor=100 * floor_ms / ms_per_step,
+        smoke=smoke(device),
+        threads=threads,
     )
 
 
