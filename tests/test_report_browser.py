@@ -71,8 +71,8 @@ def test_screenshot_shows_the_plots(page, tmp_path):
     without_scripts = tmp_path / "without-scripts.html"
     without_scripts.write_text(re.sub(r"<script.*?</script>", "", page.read_text(), flags=re.S))
     drawn, bare = tmp_path / "drawn.png", tmp_path / "bare.png"
-    top = "--window-size=1280,1000"  # the facts and the first plot, not the tables below
+    top = "--window-size=1280,2400"  # the notice, the verdict, the throughput table and the first plot
     chromium(tmp_path, top, f"--screenshot={drawn}", page.as_uri())
     chromium(tmp_path, top, f"--screenshot={bare}", without_scripts.as_uri())
-    assert png_size(drawn) == png_size(bare) == (1280, 1000)
+    assert png_size(drawn) == png_size(bare) == (1280, 2400)
     assert drawn.stat().st_size > 1.5 * bare.stat().st_size  # measured: 118 KB against 49 KB
