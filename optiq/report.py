@@ -583,12 +583,15 @@ OP_CLASS_COLOURS = {
     "add": "#8c564b", "reduction": "#e377c2", "norm": "#bcbd22", "rope": "#17becf", "activation": "#aec7e8",
     "bmm": "#ffbb78", "grouped_gemm": "#98df8a", "routing": "#ff9896", "scatter_gather": "#c5b0d5",
     "sampling": "#c49c94", "clamp_min": "#f7b6d2", "memcpy/memset": "#dbdb8d", "unattributed": "#9edae5",
-    "other": "#7f7f7f", REST: "#c7c7c7"}
-_HASHED = [colour for label, colour in OP_CLASS_COLOURS.items() if label not in ("other", REST)]
+    "collective": "#393b79", "other": "#7f7f7f", REST: "#c7c7c7"}
+# For a label with no colour of its own (a trace's kernel or role names): darker shades no class above uses, so it is
+# never drawn in a listed class's colour beside it
+_HASHED = ["#637939", "#8c6d31", "#843c39", "#7b4173", "#5254a3", "#8ca252", "#bd9e39", "#ad494a", "#a55194",
+           "#6b6ecf", "#b5cf6b", "#e7ba52", "#d6616b", "#ce6dbd"]
 
 
 def op_class_colour(label: str) -> str:
-    """The colour of op class ``label`` on every page: its own, or one of the classes' picked by the label's CRC (the
+    """The colour of op class ``label`` on every page: its own, or one of _HASHED picked by the label's CRC (the
     same in every process, unlike ``hash``)."""
     return OP_CLASS_COLOURS.get(label) or _HASHED[zlib.crc32(label.encode()) % len(_HASHED)]
 
