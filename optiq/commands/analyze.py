@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import textwrap
 from pathlib import Path
 
 import click
@@ -90,10 +91,10 @@ def compare_view(table, by: str, title: str) -> str:
     """An 80-column plain table of what moved, one row per class or role."""
     head = f"{by[:20]:<20} {'before':>9} {'after':>9} {'Δ ms':>9} {'before%':>8} {'after%':>8} {'Δ pts':>7}"
     lines = [visible(title)[:80], head, "-" * len(head)]
-    for row in table.itertuples(index=False):
-        lines.append(f"{visible(getattr(row, by), limit=20)[:20]:<20} {row.before_ms_per_step:>9.4f} "
-                     f"{row.after_ms_per_step:>9.4f} {row.delta_ms_per_step:>+9.4f} {row.before_pct:>8.1f} "
-                     f"{row.after_pct:>8.1f} {row.delta_pct:>+7.1f}")
+    for row in table.to_dict(orient="records"):
+        lines.append(f"{visible(row[by], limit=20)[:20]:<20} {row['before_ms_per_step']:>9.4f} "
+                     f"{row['after_ms_per_step']:>9.4f} {row['delta_ms_per_step']:>+9.4f} {row['before_pct']:>8.1f} "
+                     f"{row['after_pct']:>8.1f} {row['delta_pct']:>+7.1f}")
     lines.append("(GPU ms per step; % of each side's counted GPU time)")
     return "\n".join(lines)
 
@@ -120,10 +121,10 @@ def run_compare(before_paths: list[str], after_paths: list[str], top: int, as_js
         return
     for by, table in tables.items():
         out.print(compare_view(table, by, f"what moved · by {by} · {len(before)} rank(s) before, {len(after)} after"))
-    for i, side in enumerate(("before", "after")):
-        out.print(f"{side}: {sides['class'][i].summary['step_definition']}")
-    for note in notes:
-        out.print(f"  note: {visible(note)}")
+    lines = [f"step {side}: {sides['class'][i].summary['step_definition']}" for i, side in enumerate(("before",
+                                                                                                       "after"))]
+    for line in lines + [f"note: {visible(note)}" for note in notes]:
+        out.print(textwrap.fill(line, width=80, subsequent_indent="    "))
 
 
 @click.command()

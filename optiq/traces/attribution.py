@@ -381,10 +381,10 @@ def compare(before: Attribution, after: Attribution) -> pd.DataFrame:
     change, largest change first. A row only one side has counts 0 on the other."""
     if before.by != after.by:
         raise ValueError(f"both sides must be grouped alike, not by {before.by} and {after.by}")
-    sides = [a.table.set_index(a.by)[["gpu_ms_per_step", "pct"]] for a in (before, after)]
-    both = sides[0].join(sides[1], how="outer", lsuffix="_before", rsuffix="_after").fillna(0.0)
+    sides = [a.table[[a.by, "gpu_ms_per_step", "pct"]].astype({a.by: str}) for a in (before, after)]
+    both = sides[0].merge(sides[1], on=before.by, how="outer", suffixes=("_before", "_after")).fillna(0.0)
     table = pd.DataFrame({
-        before.by: [str(key) for key in both.index],
+        before.by: both[before.by].to_numpy(),
         "before_ms_per_step": both["gpu_ms_per_step_before"].to_numpy(),
         "after_ms_per_step": both["gpu_ms_per_step_after"].to_numpy(),
         "before_pct": both["pct_before"].to_numpy(), "after_pct": both["pct_after"].to_numpy()})

@@ -21,8 +21,12 @@ Every name below comes from the engines' code, read from the wheels on the packa
 - Older formats, from the issue (#27) that reported them: vLLM before Dec 2025 ``execute_new_{n}_cached_{m}``; SGLang
   before ``VERIFY``/``DRAFT``: ``step[TARGET_VERIFY ...]`` and ``step[DRAFT_EXTEND ...]`` with no span around the draft
   model's own decode passes.
-- FlashInfer's kernels (SGLang's norm, activation, rotary, decode attention and sampling; vLLM's sampler): the
-  ``__global__`` names of flashinfer-python's headers ``include/flashinfer/{norm,activation,pos_enc,decode,sampling}.cuh``.
+- FlashInfer's kernels (SGLang's norm, activation, rotary, decode attention and sampling; vLLM's sampler), from
+  flashinfer-python 0.7.4's headers under ``flashinfer/data/include/flashinfer/``: ``norm.cuh`` (63 ``RMSNormKernel``,
+  424 ``FusedAddRMSNormKernel``, namespace ``flashinfer::norm``), ``activation.cuh`` (34 ``act_and_mul_kernel``,
+  namespace ``flashinfer::activation``), ``pos_enc.cuh`` (362 ``BatchQKApplyRotaryPosIdsCosSinCacheKernel``),
+  ``attention/decode.cuh`` (629 ``BatchDecodeWithPagedKVCacheKernel``), ``sampling.cuh`` (1227
+  ``TopKTopPSamplingFromProbKernel``, namespace ``flashinfer::sampling``).
 
 The timings are made up, and chosen so that a test can compute every answer by hand: one stream, kernels back to
 back, each a whole number of microseconds. ``python tests/data/engine_traces.py OUT_DIR`` writes every fixture.
@@ -72,7 +76,7 @@ MOE_ALIGN = ("void vllm::moe::moe_align_block_size_kernel<int>(int const*, int*,
 CUBLAS_GEMM = "nvjet_tst_64x8_64x16_4x1_v_bz_TNT"
 # NCCL's device kernels (NCCL >= 2.19 names them ncclDevKernel_*)
 NCCL_ALL_REDUCE = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
-# FlashInfer (include/flashinfer/norm.cuh, activation.cuh, pos_enc.cuh, decode.cuh, sampling.cuh)
+# FlashInfer 0.7.4 (include/flashinfer/norm.cuh, activation.cuh, pos_enc.cuh, attention/decode.cuh, sampling.cuh)
 FI_RMS_NORM = ("void flashinfer::norm::RMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*, __nv_bfloat16*, "
                "__nv_bfloat16*, unsigned int, unsigned int, unsigned int, float, float)")
 FI_ADD_RMS_NORM = ("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*, __nv_bfloat16*, "
@@ -113,7 +117,9 @@ SGL_TRITON_LAYER = [(FI_RMS_NORM, 3), (CUBLAS_GEMM, 12), (FI_ROTARY, 2), (SGL_TR
                     (SGL_TRITON_DECODE[1], 4), (CUBLAS_GEMM, 8), (FI_RMS_NORM, 3), (CUBLAS_GEMM, 25),
                     (FI_SILU_AND_MUL, 4), (CUBLAS_GEMM, 15)]
 HEAD = [(VLLM_RMS_NORM, 3), (CUBLAS_GEMM, 30)]  # the final norm and lm_head
-SAMPLING = [(SOFTMAX, 5), (FI_SAMPLING, 9), (ARGMAX, 4)]  # after the step: 18 us
+# After the step, each launched by its op: 18 us (flashinfer's Python op ``top_k_top_p_sampling_from_probs``)
+SAMPLING = [(SOFTMAX, 5, "aten::_softmax"), (FI_SAMPLING, 9, "flashinfer::top_k_top_p_sampling_from_probs"),
+            (ARGMAX, 4, "aten::argmax")]
 DRAFT = [(CUBLAS_GEMM, 10), (FLASH_DECODE, 6), (CUBLAS_GEMM, 4)]  # one draft-model pass: 20 us
 PREFILL = [(VLLM_RMS_NORM, 9), (CUBLAS_GEMM, 80), (FLASH_PREFILL, 60), (CUBLAS_GEMM, 70)]
 LAYERS = 2
@@ -190,6 +196,10 @@ class Timeline:
         for name, us in kernels:
             self._kernel(name, us, launch, correlation, 0)
 
+    def sample(self, kernels=SAMPLING) -> None:
+        for name, us, op in kernels:
+            self.eager([(name, us)], op=op)
+
     def python(self, name: str, us: int) -> None:
         """A with_stack Python frame (the only events of vLLM's frontend trace)."""
         self.events.append({"ph": "X", "cat": "python_function", "name": name, "pid": self.pid, "tid": self.tid,
@@ -235,12 +245,12 @@ def vllm_worker(rank: int, decode_steps: int, style: str = "plain", layer=VLLM_L
     t = Timeline(pid=4000 + rank, tid=4000 + rank, device=rank)
     with t.span(vllm_marker(1, 16, 0, style)):
         t.eager(PREFILL)
-    t.eager(SAMPLING[:1], op="aten::softmax")
+    t.sample(SAMPLING[:1])
     t.wait_for_gpu()
     for _ in range(decode_steps):
         with t.span(vllm_marker(0, 0, 4, style)):
             t.graph(layer_kernels(layer, rank))
-        t.eager(SAMPLING, op="aten::argmax")
+        t.sample()
         if speculative:  # Worker.sample_tokens -> speculator.propose: no range of its own
             t.graph(DRAFT)
         t.wait_for_gpu()
@@ -290,7 +300,7 @@ def sglang_rank(rank: int, decode_steps: int, layer=SGL_LAYER, speculative: str 
     if "EXTEND" in stages:
         with t.span(sglang_step("EXTEND", 1, 16)):
             t.eager(PREFILL)
-        t.eager(SAMPLING[:1], op="aten::softmax")
+        t.sample(SAMPLING[:1])
         t.wait_for_gpu()
     if "DECODE" not in stages:
         return t
@@ -305,7 +315,7 @@ def sglang_rank(rank: int, decode_steps: int, layer=SGL_LAYER, speculative: str 
         verify = {"new": "VERIFY", "old": "TARGET_VERIFY"}.get(speculative, "DECODE")
         with t.span(sglang_step(verify, 4)):
             t.graph(layer_kernels(layer, rank))
-        t.eager(SAMPLING, op="aten::argmax")
+        t.sample()
         if speculative:
             with t.span(sglang_step("DRAFT" if speculative == "new" else "DRAFT_EXTEND", 4)):
                 t.graph(DRAFT)
