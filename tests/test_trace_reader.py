@@ -257,8 +257,8 @@ def test_ranks_with_clock_offsets_attribute_as_if_aligned(tmp_path):
         events = [dict(e, ts=e["ts"] + offset) if "ts" in e else e for e in doc["traceEvents"]]
         return str(write_events(tmp_path / f"rank{rank}_{offset}.json", events, distributedInfo={"rank": rank}))
 
-    aligned = attribute(read_ranks([shifted(0, 0), shifted(1, 0)]), "class")
-    offset = attribute(read_ranks([shifted(0, 5e12), shifted(1, -3.7e6)]), "class")
+    aligned = attribute(read_ranks([shifted(0, 0), shifted(1, 0)])[0], "class")  # (ranks, notes)
+    offset = attribute(read_ranks([shifted(0, 5e12), shifted(1, -3.7e6)])[0], "class")
     pd.testing.assert_frame_equal(aligned.table, offset.table)  # to 1e-5: float timestamps near 5e12 us keep ~1 ns
     for key, value in aligned.summary.items():
         assert offset.summary[key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key
