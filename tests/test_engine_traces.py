@@ -102,10 +102,18 @@ def test_frontend_trace_is_left_out_with_a_note_and_alone_is_an_error(tmp_path):
     assert ".async_llm." in frontend.name
     result = analyze(*paths)
     assert result.exit_code == 0, result.output
-    assert f"{frontend.name}: a CPU-only frontend trace (Python events only): left out of the table" in result.output
+    assert f"{frontend.name}: a CPU-only frontend trace: left out of the GPU table" in result.output
     alone = analyze(frontend)
     assert alone.exit_code == 1 and alone.output.count("\n") == 1
     assert "frontend trace" in alone.output and "worker traces" in alone.output
+
+
+def test_cpu_only_trace_beside_gpu_ones_is_left_out(tmp_path):
+    from data.make_traces import cpu_trace
+    cpu = cpu_trace(tmp_path / "cpu.json")
+    scopes = results(*et.vllm_traces(tmp_path, frontend=False), cpu)
+    assert list(scopes) == ["rank 0", "rank 1", "all 2"]
+    assert "cpu.json: a CPU-only trace: left out of the GPU table" in scopes["all 2"]["notes"]
 
 
 def test_merged_file_splits_into_ranks_by_pid_label(tmp_path):

@@ -25,13 +25,16 @@ ALL_PHASES = ("step", "sampling", "draft")
 def read_ranks(paths: list[str]) -> tuple[list[Trace], list[str]]:
     """The ranks the files hold (a merged SGLang file holds several), and why any file was left out.
 
-    Frontend traces (vLLM's async_llm: Python events only) and traces without a decode step (SGLang's ``-EXTEND``
-    file of profile_by_stage) are left out beside traces with decode steps, so that a glob of a profile folder reads
-    as its ranks; left alone, they are an error. Ranks claimed twice (or by no file) are numbered by position."""
+    Frontend traces (vLLM's async_llm), CPU-only traces beside GPU ones, and traces without a decode step (SGLang's
+    ``-EXTEND`` file of profile_by_stage) are left out with a note, so that a glob of a profile folder reads as its
+    ranks; a frontend trace alone, or only traces without a decode step, are an error. Ranks claimed twice (or by no
+    file) are numbered by position."""
     read = [trace for path in paths for trace in read_traces(path)]
-    notes = [f"{Path(t.path).name}: a CPU-only frontend trace (Python events only): left out of the table"
-             for t in read if t.frontend]
-    traces = [t for t in read if not t.frontend]
+    has_gpu = any(not t.cpu_only for t in read)
+    left_out = [t for t in read if t.frontend or (has_gpu and t.cpu_only)]
+    notes = [f"{Path(t.path).name}: a CPU-only {'frontend ' if t.frontend else ''}trace: left out of the GPU table"
+             for t in left_out]
+    traces = [t for t in read if t not in left_out]
     if not traces:
         raise OptiqError(f"{paths[0]}: a CPU-only frontend trace, no GPU events and no CPU ops to attribute; pass "
                          "the worker traces written beside it")

@@ -857,12 +857,13 @@ def _trace(scan: _Scan, path: Path, rank: int, label: str) -> Trace:
     if scan.repeated:
         notes.append(f"{scan.repeated} event(s) repeated verbatim counted once")
     cpu_only = not len(scan.gpu.ts)
-    frontend = cpu_only and not len(scan.ops.ts) and (scan.python_events > 0 or ".async_llm." in path.name)
+    # vLLM names its frontend's trace {host}_{pid}.async_llm.*; without that name, Python frames and no op tell it
+    frontend = cpu_only and (".async_llm." in path.name or (not len(scan.ops.ts) and scan.python_events > 0))
     if cpu_only and not len(scan.ops.ts) and not frontend:
         raise OptiqError(f"{path}: no GPU events (kernels, memcpy, memset) and no CPU ops to attribute")
     if cpu_only:
-        notes.insert(0, "a CPU-only frontend trace (Python events only, no GPU events, no CPU ops): nothing to "
-                        "attribute" if frontend else "no GPU events: attributing CPU op self time instead")
+        notes.insert(0, "a CPU-only frontend trace (vLLM's async_llm): no GPU events" if frontend else
+                     "no GPU events: attributing CPU op self time instead")
         kernels = _cpu_table(scan, steps, markers, step_source, names)
         ends = scan.ops.numpy("ts") + scan.ops.numpy("dur")  # an op's whole range, not its self time
     else:
