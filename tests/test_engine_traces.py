@@ -171,3 +171,15 @@ def test_misspelt_model_type_is_a_one_line_error_with_close_matches(tmp_path):
     assert result.exit_code != 0 and result.output.count("\n") == 1
     assert "unknown model type 'lama'" in result.output and "llama" in result.output
     assert analyze(path, "--proposals", "llama").exit_code == 0
+
+
+def test_a_prefill_stage_file_with_decode_steps_still_counts_with_its_rank(tmp_path):
+    """profile_by_stage's -EXTEND file holds no decode step today; were one to slip in, the rank stays one rank."""
+    for rank in (0, 1):
+        et.write(tmp_path / et.sglang_name("7", rank, "EXTEND"), et.document(et.sglang_rank(rank, 1), rank, 2))
+        et.write(tmp_path / et.sglang_name("7", rank, "DECODE"),
+                 et.document(et.sglang_rank(rank, 3, stages=("DECODE",)), rank, 2))
+    scopes = results(*sorted(tmp_path.iterdir()))
+    assert list(scopes) == ["rank 0", "rank 1", "all 2"] and scopes["all 2"]["summary"]["steps"] == 6
+    assert "7-TP-0-EXTEND.trace.json.gz: the prefill stage of a rank whose -DECODE file is given: left out" in \
+        scopes["all 2"]["notes"]

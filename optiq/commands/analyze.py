@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 import textwrap
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from optiq.traces.attribution import (GROUPINGS, Attribution, align_graph_with_e
                                       attribution_document, compare, weighted_kernels)
 from optiq.traces.reader import Trace, read_trace, read_traces
 
+STAGE_FILE = re.compile(r"-(EXTEND|DECODE)(?=\.trace\.json)")  # SGLang's profile_by_stage suffixes
 COMPARED = ("class", "role")  # what --compare groups by: the classes and the roles whose time moved
 ALL_PHASES = ("step", "sampling", "draft")
 
@@ -44,6 +46,11 @@ def read_ranks(paths: list[str]) -> tuple[list[Trace], list[str]]:
                          f"({'; '.join(dict.fromkeys(n for t in traces for n in t.notes))})")
     notes += [f"{Path(t.path).name}{f' [{t.label}]' if t.label else ''}: no decode step (prefill only): left out"
               for t in traces if not len(t.steps)]
+    decode_stage = {STAGE_FILE.sub("", Path(t.path).name) for t in decoding if "-DECODE." in Path(t.path).name}
+    extend = [t for t in decoding if "-EXTEND." in Path(t.path).name and STAGE_FILE.sub("", Path(t.path).name)
+              in decode_stage]  # a prefill-stage file whose rank has its decode-stage file here: the same rank
+    notes += [f"{Path(t.path).name}: the prefill stage of a rank whose -DECODE file is given: left out" for t in extend]
+    decoding = [t for t in decoding if t not in extend]
     if len({t.rank for t in decoding}) < len(decoding):
         for position, trace in enumerate(decoding):
             trace.rank = position
