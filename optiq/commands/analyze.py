@@ -17,11 +17,10 @@ from optiq.rundir import write_csv
 from optiq.text import visible
 from optiq.traces.attribution import (GROUPINGS, Attribution, align_graph_with_eager, attribute,
                                       attribution_document, compare, weighted_kernels)
-from optiq.traces.reader import Trace, read_trace, read_traces
+from optiq.traces.reader import WORK_PHASES, Trace, read_trace, read_traces
 
 STAGE_FILE = re.compile(r"-(EXTEND|DECODE)(?=\.trace\.json)")  # SGLang's profile_by_stage suffixes
 COMPARED = ("class", "role")  # what --compare groups by: the classes and the roles whose time moved
-ALL_PHASES = ("step", "sampling", "draft")
 
 
 def read_ranks(paths: list[str]) -> tuple[list[Trace], list[str]]:
@@ -115,7 +114,7 @@ def run_compare(before_paths: list[str], after_paths: list[str], top: int, as_js
     drafting too."""
     (before, before_notes), (after, after_notes) = read_ranks(before_paths), read_ranks(after_paths)
     definitions = {t.step_source == "optiq" for t in before + after if t.step_source != "whole trace"}
-    phases = ALL_PHASES if len(definitions) > 1 else ("step",)
+    phases = WORK_PHASES if len(definitions) > 1 else ("step",)
     notes = before_notes + after_notes
     if len(definitions) > 1:
         notes.append("one side's steps hold sampling (optiq), the other's not (an engine): both sides count the "

@@ -3,10 +3,10 @@
 Every number is per decode step, so traces of different lengths and ranks compare: a rank's kernels weigh
 1 / (its number of steps). What a step holds differs (``Trace.step_definition``): optiq's own steps hold the forward
 and its sampling, the engines' only the forward, with sampling and drafting after it. The table counts the kernels of
-the step phase; the engines' sampling and drafting are summed apart (``attribute(..., phases=...)`` adds them in, so
-that an engine's trace compares like for like with optiq's). The share of GPU time placed by each method (linkage to the launching op, alignment of a
-graph replay with an eager step, the kernel's name, or nothing) is always reported, and time that nothing placed stays
-"unattributed": it is never shown as an op.
+the step phase; the engines' sampling and drafting are summed apart (``attribute(..., phases=WORK_PHASES)`` adds them
+in, so that an engine's trace compares like for like with optiq's). The share of GPU time placed by each method
+(linkage to the launching op, alignment of a graph replay with an eager step, the kernel's name, or nothing) is always
+reported, and time that nothing placed stays "unattributed": it is never shown as an op.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pandas as pd
 
 from optiq.errors import OptiqError
 from optiq.traces.op_classes import short_kernel_name
-from optiq.traces.reader import Trace
+from optiq.traces.reader import WORK_PHASES, Trace
 
 METHODS = ("linkage", "alignment", "name", "none", "cpu_op")
 GROUPINGS = {"class": "op_class", "role": "role", "kernel": "name", "layer": "layer"}
@@ -337,10 +337,9 @@ def attribute(traces: list[Trace], by: str = "class", top: int = 3, phases: tupl
     total = time.sum()
     methods = {m: float(time[frame["method"] == m].sum() / total) if total > 0 else 0.0 for m in METHODS}
     all_time = sum(float(t.kernels["dur"].sum()) for t in traces)
-    outside = sum(float(t.kernels.loc[~t.kernels["phase"].isin(("step", "sampling", "draft")), "dur"].sum())
-                  for t in traces)
+    outside = sum(float(t.kernels.loc[~t.kernels["phase"].isin(WORK_PHASES), "dur"].sum()) for t in traces)
     apart = {phase: sum(_per_step(t, t.kernels["phase"] == phase) for t in traces) / 1000
-             for phase in ("sampling", "draft") if phase not in phases}
+             for phase in WORK_PHASES if phase not in phases}
     per_rank = steps.groupby("rank")[["wall_us", "busy_us", "kernel_us", "kernels", "launches"]].mean()
     summary = {
         "ranks": len({t.rank for t in traces}), "steps": int(sum(len(t.steps) for t in traces)),

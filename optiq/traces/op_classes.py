@@ -16,7 +16,8 @@ import re
 from functools import lru_cache
 
 CLASSES = ("copy_", "mul", "add", "clamp_min", "elementwise", "reduction", "bmm", "gemm", "attention", "norm", "rope",
-           "activation", "grouped_gemm", "routing", "scatter_gather", "sampling", "collective", "memcpy/memset", "other")
+           "activation", "grouped_gemm", "routing", "scatter_gather", "sampling", "collective", "memcpy/memset",
+           "other")
 UNATTRIBUTED = "unattributed"  # GPU time that neither linkage, alignment nor the kernel name could place
 
 # Exact aten op names (without the "aten::" namespace and the in-place/out "_" suffix) -> class.

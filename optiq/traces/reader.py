@@ -16,8 +16,9 @@ Events may come in any order, so linkage and enclosure are resolved after the pa
   or after one, "draft"; anything else (prefill, warm-up) "outside".
 
 SGLang's merged file (``merged-{id}.trace.json.gz``) holds every rank, told apart only by the label its merger put
-before each pid (``"[TP01] 4242"``): such a file is read as one trace per label. A CPU-only file without CPU ops but
-with Python events (vLLM's ``*.async_llm.*`` frontend trace) is a "frontend" trace, recognised rather than refused.
+before each pid (``"[TP01] 4242"``): such a file is read as one trace per label. vLLM's frontend trace
+(``*.async_llm.*``: Python events only) is recognised, by its name or by Python events without any op, and marked
+``frontend`` rather than refused, so that the caller can leave it out of a folder of worker traces.
 
 Hostile input is bounded before it costs memory or time (``ReadLimits``): the byte stream is checked, chunk by chunk
 and before ijson sees it, for nesting depth (ijson keeps the path of every open container, quadratic in the depth) and
@@ -70,10 +71,12 @@ SGLANG_DECODE, SGLANG_DRAFT = {"DECODE", "VERIFY", "TARGET_VERIFY"}, {"DRAFT", "
 
 
 def _vllm_kind(match: re.Match) -> str:
+    """A vLLM step with a context (prefill) request is prefill or mixed; only all-generating steps are decode."""
     return "decode" if match.group(1) == "0" and match.group(2) != "0" else "other"
 
 
 def _sglang_kind(match: re.Match) -> str:
+    """SGLang's mode names say it: decode (or the target's verify), the draft model's work, or anything else."""
     mode = match.group(1).upper()
     return "decode" if mode in SGLANG_DECODE else "draft" if mode in SGLANG_DRAFT else "other"
 
@@ -88,7 +91,8 @@ STEP_DEFINITIONS = {
               "and step[DRAFT] spans shown apart",
     "whole trace": "the whole trace (no step markers)",
 }
-PHASES = ("step", "sampling", "draft", "outside")
+WORK_PHASES = ("step", "sampling", "draft")  # a decode step's work, wherever the markers put it
+PHASES = (*WORK_PHASES, "outside")  # outside: prefill, warm-up, anything no decode step owns
 RANK_LABEL = re.compile(r"\[((?:TP|DP|PP|EP)\d+(?:-(?:TP|DP|PP|EP)\d+)*)\] ")
 GPU_KINDS = {"kernel": 0, "gpu_memcpy": 1, "gpu_memset": 2}
 KIND_NAMES = ("kernel", "memcpy", "memset", "cpu_op")
@@ -605,8 +609,7 @@ def _phases(markers: pd.DataFrame, pid: np.ndarray, ts: np.ndarray, source: str)
     return step, phase
 
 
-def _place(scan: _Scan, steps: pd.DataFrame, markers: pd.DataFrame, source: str, pid, tid,
-           ts) -> dict[str, np.ndarray]:
+def _place(scan: _Scan, markers: pd.DataFrame, source: str, pid, tid, ts) -> dict[str, np.ndarray]:
     """Step, phase, layer and role of launch points (pid, tid, ts codes; ts NaN where the launch is unknown)."""
     known = ~np.isnan(ts)
     thread = np.where(known, _thread_key(pid, tid), -1)
@@ -675,8 +678,7 @@ def _own_intervals(device: np.ndarray, stream: np.ndarray, ts: np.ndarray,
     return ts + overlap, dur - overlap
 
 
-def _gpu_table(scan: _Scan, steps: pd.DataFrame, markers: pd.DataFrame, source: str,
-               names: list[str]) -> pd.DataFrame:
+def _gpu_table(scan: _Scan, markers: pd.DataFrame, source: str, names: list[str]) -> pd.DataFrame:
     g, ops, la = scan.gpu, scan.ops, scan.launches
     kind, ext, corr = g.numpy("kind"), g.numpy("ext"), g.numpy("corr")
     ts, dur = _own_intervals(g.numpy("device"), g.numpy("stream"), g.numpy("ts"), g.numpy("dur"))
@@ -696,7 +698,7 @@ def _gpu_table(scan: _Scan, steps: pd.DataFrame, markers: pd.DataFrame, source: 
 
     at_pid, at_tid = from_launch_or_op("pid", "pid", -1), from_launch_or_op("tid", "tid", -1)
     at_ts = from_launch_or_op("ts", "ts", np.nan)
-    place = _place(scan, steps, markers, source, at_pid, at_tid, at_ts)
+    place = _place(scan, markers, source, at_pid, at_tid, at_ts)
     op_key = _thread_key(ops.numpy("pid"), ops.numpy("tid"))
     top = _innermost(op_key, ops.numpy("ts"), ops.numpy("ts") + ops.numpy("dur"),
                      np.where(np.isnan(at_ts), -1, _thread_key(at_pid, at_tid)),
@@ -721,12 +723,11 @@ def _gpu_table(scan: _Scan, steps: pd.DataFrame, markers: pd.DataFrame, source: 
     })
 
 
-def _cpu_table(scan: _Scan, steps: pd.DataFrame, markers: pd.DataFrame, source: str,
-               names: list[str]) -> pd.DataFrame:
+def _cpu_table(scan: _Scan, markers: pd.DataFrame, source: str, names: list[str]) -> pd.DataFrame:
     """Without GPU activity: each CPU op with its self time, classified by its own name."""
     ops = scan.ops
     ts, name_code = ops.numpy("ts"), ops.numpy("name")
-    place = _place(scan, steps, markers, source, ops.numpy("pid"), ops.numpy("tid"), ts)
+    place = _place(scan, markers, source, ops.numpy("pid"), ops.numpy("tid"), ts)
     op_class = _classes(name_code, names, class_of_op)
     name = _categorical(name_code, names)
     return pd.DataFrame({
@@ -836,6 +837,7 @@ def _only(scan: _Scan, pids: set[int]) -> _Scan:
     ranks, so linkage must be resolved within one."""
     part = _Scan(scan.limits)
     part.names, part.threads, part.events = scan.names, scan.threads, scan.events
+    part.no_duration, part.negative_ranges, part.repeated = scan.no_duration, scan.negative_ranges, scan.repeated
     wanted = np.array(sorted(pids), np.int64)
     for name in ("gpu", "ops", "launches"):
         columns, target = getattr(scan, name), getattr(part, name)
@@ -864,10 +866,10 @@ def _trace(scan: _Scan, path: Path, rank: int, label: str) -> Trace:
     if cpu_only:
         notes.insert(0, "a CPU-only frontend trace (vLLM's async_llm): no GPU events" if frontend else
                      "no GPU events: attributing CPU op self time instead")
-        kernels = _cpu_table(scan, steps, markers, step_source, names)
+        kernels = _cpu_table(scan, markers, step_source, names)
         ends = scan.ops.numpy("ts") + scan.ops.numpy("dur")  # an op's whole range, not its self time
     else:
-        kernels = _gpu_table(scan, steps, markers, step_source, names)
+        kernels = _gpu_table(scan, markers, step_source, names)
         ends = (kernels["ts"] + kernels["dur"]).to_numpy()
     if step_source == "whole trace":
         first, last = (kernels["ts"].min(), ends.max()) if len(ends) else (0.0, 0.0)
