@@ -183,3 +183,9 @@ def test_a_prefill_stage_file_with_decode_steps_still_counts_with_its_rank(tmp_p
     assert list(scopes) == ["rank 0", "rank 1", "all 2"] and scopes["all 2"]["summary"]["steps"] == 6
     assert "7-TP-0-EXTEND.trace.json.gz: the prefill stage of a rank whose -DECODE file is given: left out" in \
         scopes["all 2"]["notes"]
+
+
+def test_compare_refuses_options_it_would_ignore(tmp_path):
+    (before,), (after,) = et.sglang_traces(tmp_path / "a", ranks=1), et.sglang_traces(tmp_path / "b", ranks=1)
+    result = analyze("--compare", before, after, "--csv", tmp_path / "rows.csv")
+    assert result.exit_code != 0 and "it takes no --csv" in result.output

@@ -101,7 +101,7 @@ def compare_view(table, by: str, title: str) -> str:
     head = f"{by[:20]:<20} {'before':>9} {'after':>9} {'Δ ms':>9} {'before%':>8} {'after%':>8} {'Δ pts':>7}"
     lines = [visible(title)[:80], head, "-" * len(head)]
     for row in table.to_dict(orient="records"):
-        lines.append(f"{visible(row[by], limit=20)[:20]:<20} {row['before_ms_per_step']:>9.4f} "
+        lines.append(f"{visible(row[by])[:20]:<20} {row['before_ms_per_step']:>9.4f} "
                      f"{row['after_ms_per_step']:>9.4f} {row['delta_ms_per_step']:>+9.4f} {row['before_pct']:>8.1f} "
                      f"{row['after_pct']:>8.1f} {row['delta_pct']:>+7.1f}")
     lines.append("(GPU ms per step; % of each side's counted GPU time)")
@@ -143,8 +143,8 @@ def run_compare(before_paths: list[str], after_paths: list[str], top: int, as_js
 @click.option("--eager-companion", default=None, type=click.Path(dir_okay=False),
               help="An eager trace of the same model and batch: CUDA-graph kernels take its ops, roles and layers.")
 @click.option("--compare", "before", multiple=True, type=click.Path(dir_okay=False), metavar="BEFORE",
-              help="Compare: BEFORE trace(s) (repeat for several ranks) against TRACES; per class and role, what "
-                   "moved.")
+              help="Compare BEFORE trace(s) (repeat the option for several ranks) with TRACES: what moved, per class "
+                   "and per role (--by is not used).")
 @click.option("--top", default=3, show_default=True, type=SIZE, help="Top kernels / places per row.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
 @click.option("--csv", "csv_path", default=None, type=click.Path(dir_okay=False), help="Also write the rows here.")
@@ -164,6 +164,10 @@ def analyze(traces, by, eager_companion, before, top, as_json, csv_path, model_t
     if model_type:
         known_model_type(model_type, recipes_dir)
     if before:
+        given = [flag for flag, value in (("--eager-companion", eager_companion), ("--csv", csv_path),
+                                          ("--proposals", model_type)) if value]
+        if given:
+            raise OptiqError(f"--compare shows what moved by class and role; it takes no {', '.join(given)}")
         with status(f"reading {len(before) + len(traces)} trace(s)"):
             run_compare(list(before), list(traces), top, as_json)
         return
