@@ -317,7 +317,8 @@ def collectives(traces: list[Trace]) -> dict:
         in_step = trace.kernels["phase"] == "step"
         mine = _per_step(trace, in_step & (trace.kernels["op_class"] == "collective"))
         total = _per_step(trace, in_step)
-        per_rank[trace.rank], share[trace.rank] = mine / 1000, mine / total if total > 0 else 0.0
+        # keyed by the rank as text, as JSON writes it: a run record that keeps the summary reads back the same
+        per_rank[str(trace.rank)], share[str(trace.rank)] = mine / 1000, mine / total if total > 0 else 0.0
     values = list(per_rank.values())
     all_time = sum(_per_step(t, t.kernels["phase"] == "step") for t in traces)
     return {"ms_per_step": per_rank, "share_by_rank": share,
