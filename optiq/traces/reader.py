@@ -364,7 +364,8 @@ def _scan(stream, limits: ReadLimits) -> _Scan:
             g_stream(args.get("stream", -1))
             g_corr(args.get("correlation", -1))
             g_ext(args.get("External id", -1))
-            g_pid(_thread(ev, threads, keep)[0])
+            pid = ev.get("pid", -1)  # the device; SGLang's merged file labels it with the rank
+            g_pid(pid if pid.__class__ is int else _thread(ev, threads, keep)[0])
         elif cat in RUNTIME_CATS:
             name = ev["name"]
             code = launch_codes.get(name)
