@@ -32,10 +32,9 @@ def read_ranks(paths: list[str]) -> tuple[list[Trace], list[str]]:
     file) are numbered by position."""
     read = [trace for path in paths for trace in read_traces(path)]
     has_gpu = any(not t.cpu_only for t in read)
-    left_out = [t for t in read if t.frontend or (has_gpu and t.cpu_only)]
     notes = [f"{Path(t.path).name}: a CPU-only {'frontend ' if t.frontend else ''}trace: left out of the GPU table"
-             for t in left_out]
-    traces = [t for t in read if t not in left_out]
+             for t in read if t.frontend or (has_gpu and t.cpu_only)]
+    traces = [t for t in read if not (t.frontend or (has_gpu and t.cpu_only))]
     if not traces:
         raise OptiqError(f"{paths[0]}: a CPU-only frontend trace, no GPU events and no CPU ops to attribute; pass "
                          "the worker traces written beside it")
@@ -46,10 +45,15 @@ def read_ranks(paths: list[str]) -> tuple[list[Trace], list[str]]:
     notes += [f"{Path(t.path).name}{f' [{t.label}]' if t.label else ''}: no decode step (prefill only): left out"
               for t in traces if not len(t.steps)]
     decode_stage = {STAGE_FILE.sub("", Path(t.path).name) for t in decoding if "-DECODE." in Path(t.path).name}
-    extend = [t for t in decoding if "-EXTEND." in Path(t.path).name and STAGE_FILE.sub("", Path(t.path).name)
-              in decode_stage]  # a prefill-stage file whose rank has its decode-stage file here: the same rank
-    notes += [f"{Path(t.path).name}: the prefill stage of a rank whose -DECODE file is given: left out" for t in extend]
-    decoding = [t for t in decoding if t not in extend]
+
+    def prefill_stage(trace: Trace) -> bool:
+        """A prefill-stage file whose rank has its decode-stage file here: the same rank, counted once."""
+        name = Path(trace.path).name
+        return "-EXTEND." in name and STAGE_FILE.sub("", name) in decode_stage
+
+    notes += [f"{Path(t.path).name}: the prefill stage of a rank whose -DECODE file is given: left out"
+              for t in decoding if prefill_stage(t)]
+    decoding = [t for t in decoding if not prefill_stage(t)]
     if len({t.rank for t in decoding}) < len(decoding):
         for position, trace in enumerate(decoding):
             trace.rank = position
