@@ -135,16 +135,23 @@ def marker(name, ts, dur):
 
 @pytest.mark.parametrize("decode, prefill, source", [
     ("execute_context_0(0)_generation_4(4)", "execute_context_1(16)_generation_0(0)", "vllm"),
+    ("execute_4_context_0(sq0sk0sqsq0sqsk0)_generation_4(sq4sk44sqsq4sqsk44)",
+     "execute_5_context_1(sq4sk4sqsq16sqsk16)_generation_1(sq1sk11sqsq1sqsk11)", "vllm"),  # detailed_trace_annotation
+    ("execute_new_0_cached_4", "execute_new_1_cached_3", "vllm"),  # builds before Dec 2025
     ("step[DECODE bs=4]", "step[EXTEND bs=1 toks=16]", "sglang"),
+    ("step[VERIFY bs=4]", "step[MIXED bs=5]", "sglang"),  # speculative: the target's verify is the decode step
+    ("step[TARGET_VERIFY bs=4]", "step[DRAFT_EXTEND bs=4]", "sglang"),  # older speculative builds
 ])
 def test_foreign_step_markers(tmp_path, decode, prefill, source):
     events = [marker(prefill, 0, 50), *launch_pair(10, 1), marker(decode, 100, 50), *launch_pair(110, 2),
-              *launch_pair(120, 3), marker(decode, 200, 50), *launch_pair(210, 4)]
+              *launch_pair(120, 3), *launch_pair(160, 5), marker(decode, 200, 50), *launch_pair(210, 4)]
     trace = read_trace(write_events(tmp_path / "t.json", events))
     assert trace.step_source == source and len(trace.steps) == 2
-    assert list(trace.kernels.sort_values("ts")["step"]) == [-1, 0, 0, 1]
+    ordered = trace.kernels.sort_values("ts")
+    assert list(ordered["step"]) == [-1, 0, 0, -1, 1]
+    assert list(ordered["phase"]) == ["draft" if "DRAFT" in prefill else "outside", "step", "step", "sampling", "step"]
     assert list(trace.steps["launches"]) == [2, 1]
-    assert any("non-decode" in note for note in trace.notes)
+    assert any("non-decode" in note for note in trace.notes) or "DRAFT" in prefill
     assert set(trace.kernels["method"]) == {"name"} and set(trace.kernels["op_class"]) == {"copy_"}
 
 
@@ -257,8 +264,8 @@ def test_ranks_with_clock_offsets_attribute_as_if_aligned(tmp_path):
         events = [dict(e, ts=e["ts"] + offset) if "ts" in e else e for e in doc["traceEvents"]]
         return str(write_events(tmp_path / f"rank{rank}_{offset}.json", events, distributedInfo={"rank": rank}))
 
-    aligned = attribute(read_ranks([shifted(0, 0), shifted(1, 0)]), "class")
-    offset = attribute(read_ranks([shifted(0, 5e12), shifted(1, -3.7e6)]), "class")
+    aligned = attribute(read_ranks([shifted(0, 0), shifted(1, 0)])[0], "class")  # (ranks, notes)
+    offset = attribute(read_ranks([shifted(0, 5e12), shifted(1, -3.7e6)])[0], "class")
     pd.testing.assert_frame_equal(aligned.table, offset.table)  # to 1e-5: float timestamps near 5e12 us keep ~1 ns
     for key, value in aligned.summary.items():
         assert offset.summary[key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key

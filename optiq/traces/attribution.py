@@ -1,9 +1,12 @@
 """Attribution: from kernel tables to where each step's GPU time goes, per op class, role, kernel or layer.
 
 Every number is per decode step, so traces of different lengths and ranks compare: a rank's kernels weigh
-1 / (its number of steps). The share of GPU time placed by each method (linkage to the launching op, alignment of a
-graph replay with an eager step, the kernel's name, or nothing) is always reported, and time that nothing placed stays
-"unattributed": it is never shown as an op.
+1 / (its number of steps). What a step holds differs (``Trace.step_definition``): optiq's own steps hold the forward
+and its sampling, the engines' only the forward, with sampling and drafting after it. The table counts the kernels of
+the step phase; the engines' sampling and drafting are summed apart (``attribute(..., phases=WORK_PHASES)`` adds them
+in, so that an engine's trace compares like for like with optiq's). The share of GPU time placed by each method
+(linkage to the launching op, alignment of a graph replay with an eager step, the kernel's name, or nothing) is always
+reported, and time that nothing placed stays "unattributed": it is never shown as an op.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pandas as pd
 
 from optiq.errors import OptiqError
 from optiq.traces.op_classes import short_kernel_name
-from optiq.traces.reader import Trace
+from optiq.traces.reader import WORK_PHASES, Trace
 
 METHODS = ("linkage", "alignment", "name", "none", "cpu_op")
 GROUPINGS = {"class": "op_class", "role": "role", "kernel": "name", "layer": "layer"}
@@ -245,11 +248,11 @@ def _busy_per_group(group: np.ndarray, ts: np.ndarray, dur: np.ndarray, start: n
     return np.bincount(group, weights=dur, minlength=groups) - np.bincount(group, weights=overlap, minlength=groups)
 
 
-def weighted_kernels(traces: list[Trace]) -> pd.DataFrame:
-    """In-step kernels of all traces, each with weight 1 / (its trace's step count)."""
+def weighted_kernels(traces: list[Trace], phases: tuple[str, ...] = ("step",)) -> pd.DataFrame:
+    """The kernels of the given phases (``PHASES``) of all traces, each with weight 1 / (its trace's step count)."""
     parts = []
     for trace in traces:
-        k = trace.kernels[trace.kernels["step"] >= 0]
+        k = trace.kernels[trace.kernels["phase"].isin(phases)]
         parts.append(pd.DataFrame({
             "rank": trace.rank, "name": k["name"].astype(object), "dur": k["dur"], "op_class": k["op_class"],
             "role": k["role"].fillna(NO_ROLE), "layer": k["layer"].where(k["layer"] >= 0, -1),
@@ -300,21 +303,49 @@ def attribution_table(frame: pd.DataFrame, by: str = "class", top: int = 3) -> p
     return table.sort_values("gpu_ms_per_step", ascending=False, ignore_index=True)
 
 
+def _per_step(trace: Trace, rows: pd.Series) -> float:
+    """The GPU time (us) of the kernels picked by ``rows``, per step of ``trace``."""
+    return float(trace.kernels.loc[rows, "dur"].sum()) / max(len(trace.steps), 1)
+
+
+def collectives(traces: list[Trace]) -> dict:
+    """Collective kernels (NCCL, custom all-reduce) in the step, per rank: ms per step, their share of the rank's
+    step GPU time, and the skew across ranks (slowest less fastest rank, in ms per step). A rank that waits on a
+    slower one spends the difference in its collective, so the skew says how uneven the ranks are."""
+    per_rank, share = {}, {}
+    for trace in traces:
+        in_step = trace.kernels["phase"] == "step"
+        mine = _per_step(trace, in_step & (trace.kernels["op_class"] == "collective"))
+        total = _per_step(trace, in_step)
+        # keyed by the rank as text, as JSON writes it: a run record that keeps the summary reads back the same
+        per_rank[str(trace.rank)], share[str(trace.rank)] = mine / 1000, mine / total if total > 0 else 0.0
+    values = list(per_rank.values())
+    all_time = sum(_per_step(t, t.kernels["phase"] == "step") for t in traces)
+    return {"ms_per_step": per_rank, "share_by_rank": share,
+            "share": 1000 * sum(values) / all_time if all_time > 0 else 0.0,
+            "skew_ms": max(values) - min(values) if values else 0.0}
+
+
 @_out_of_memory_is_one_line("attributing the traces")
-def attribute(traces: list[Trace], by: str = "class", top: int = 3) -> Attribution:
-    """The attribution of one trace, or of several (one per rank) taken together."""
+def attribute(traces: list[Trace], by: str = "class", top: int = 3, phases: tuple[str, ...] = ("step",)) -> Attribution:
+    """The attribution of one trace, or of several (one per rank) taken together, counting the kernels of
+    ``phases``."""
     if by not in GROUPINGS:
         raise ValueError(f"by must be one of {', '.join(GROUPINGS)}, not {by!r}")
-    frame = weighted_kernels(traces)
+    frame = weighted_kernels(traces, phases)
     steps = pd.concat([step_stats(t) for t in traces], ignore_index=True)
     time = frame["dur"] * frame["w"]
     total = time.sum()
     methods = {m: float(time[frame["method"] == m].sum() / total) if total > 0 else 0.0 for m in METHODS}
     all_time = sum(float(t.kernels["dur"].sum()) for t in traces)
-    outside = sum(float(t.kernels.loc[t.kernels["step"] < 0, "dur"].sum()) for t in traces)
+    outside = sum(float(t.kernels.loc[~t.kernels["phase"].isin(WORK_PHASES), "dur"].sum()) for t in traces)
+    apart = {phase: sum(_per_step(t, t.kernels["phase"] == phase) for t in traces) / 1000
+             for phase in WORK_PHASES if phase not in phases}
     per_rank = steps.groupby("rank")[["wall_us", "busy_us", "kernel_us", "kernels", "launches"]].mean()
     summary = {
-        "ranks": len(traces), "steps": int(sum(len(t.steps) for t in traces)),
+        "ranks": len({t.rank for t in traces}), "steps": int(sum(len(t.steps) for t in traces)),
+        "step_definition": "; ".join(dict.fromkeys(t.step_definition for t in traces)),
+        "counted_phases": list(phases), "outside_step_ms_per_step": apart, "collectives": collectives(traces),
         "gpu_ms_per_step": float(per_rank["kernel_us"].sum() / 1000),
         "busy_ms_per_step": float(per_rank["busy_us"].sum() / 1000),
         "wall_ms_per_step": float(per_rank["wall_us"].mean() / 1000),
@@ -324,9 +355,12 @@ def attribute(traces: list[Trace], by: str = "class", top: int = 3) -> Attributi
         "time_unit": "CPU self time" if all(t.cpu_only for t in traces) else "GPU time",
     }
     notes = [note for t in traces for note in t.notes]
+    if any(apart.values()):
+        notes.append(" and ".join(f"{'drafting' if p == 'draft' else p} {ms:.3f} ms/step" for p, ms in apart.items()
+                                  if ms) + " ran after the step's forward: shown apart, not in the table")
     if summary["outside_steps_frac"] > 0:
-        notes.append(f"{100 * summary['outside_steps_frac']:.1f}% of the time lies outside every step and is left "
-                     "out of the table")
+        notes.append(f"{100 * summary['outside_steps_frac']:.1f}% of the time lies outside every step (and its "
+                     "sampling) and is left out of the table")
     if by == "role" and (frame["role"] == NO_ROLE).all():
         notes.append("no optiq/role annotations in this trace: every kernel is outside a role")
     return Attribution(by=by, table=attribution_table(frame, by, top), steps=steps, methods=methods,
@@ -340,3 +374,21 @@ def attribution_document(attribution: Attribution, traces: list[Trace]) -> dict:
             "methods": attribution.methods, "notes": attribution.notes,
             "table": attribution.table.to_dict(orient="records"),
             "steps": attribution.steps.to_dict(orient="records")}
+
+
+def compare(before: Attribution, after: Attribution) -> pd.DataFrame:
+    """What moved from ``before`` to ``after`` (same grouping): per row, ms per step and share on each side and the
+    change, largest change first. A row only one side has counts 0 on the other."""
+    if before.by != after.by:
+        raise ValueError(f"both sides must be grouped alike, not by {before.by} and {after.by}")
+    sides = [a.table[[a.by, "gpu_ms_per_step", "pct"]].astype({a.by: str}) for a in (before, after)]
+    both = sides[0].merge(sides[1], on=before.by, how="outer", suffixes=("_before", "_after")).fillna(0.0)
+    table = pd.DataFrame({
+        before.by: both[before.by].to_numpy(),
+        "before_ms_per_step": both["gpu_ms_per_step_before"].to_numpy(),
+        "after_ms_per_step": both["gpu_ms_per_step_after"].to_numpy(),
+        "before_pct": both["pct_before"].to_numpy(), "after_pct": both["pct_after"].to_numpy()})
+    table["delta_ms_per_step"] = table["after_ms_per_step"] - table["before_ms_per_step"]
+    table["delta_pct"] = table["after_pct"] - table["before_pct"]
+    order = table["delta_ms_per_step"].abs().sort_values(ascending=False, kind="stable").index
+    return table.loc[order].reset_index(drop=True)

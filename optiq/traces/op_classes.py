@@ -16,7 +16,8 @@ import re
 from functools import lru_cache
 
 CLASSES = ("copy_", "mul", "add", "clamp_min", "elementwise", "reduction", "bmm", "gemm", "attention", "norm", "rope",
-           "activation", "grouped_gemm", "routing", "scatter_gather", "sampling", "memcpy/memset", "other")
+           "activation", "grouped_gemm", "routing", "scatter_gather", "sampling", "collective", "memcpy/memset",
+           "other")
 UNATTRIBUTED = "unattributed"  # GPU time that neither linkage, alignment nor the kernel name could place
 
 # Exact aten op names (without the "aten::" namespace and the in-place/out "_" suffix) -> class.
@@ -58,8 +59,20 @@ _ATEN = {
 }
 
 # Kernel (or vendor op) names: the first pattern that matches wins, so specific names precede generic ones.
+# The serving engines' kernels come first (see tests/data/engine_traces.py for where each name is from): collectives
+# (NCCL's, vLLM's and SGLang's custom all-reduce, FlashInfer's fused all-reduce) are time waiting on other ranks, not
+# compute; FlashInfer's norms, activations, rotary and samplers carry "flashinfer" in their name, which the attention
+# pattern would otherwise take; vLLM's KV-cache write ``reshape_and_cache_flash`` is a copy, not attention.
 _KERNEL_PATTERNS = [(re.compile(p, re.IGNORECASE), c) for p, c in [
     (r"^memcpy|^memset|cudaMemcpy|cudaMemset", "memcpy/memset"),
+    (r"nccl|cross_device_reduce|cross_device_all_gather|allreduce|all_reduce|all_gather|allgather|reduce_scatter|"
+     r"alltoall|all_to_all|quickreduce", "collective"),
+    (r"reshape_and_cache|concat_and_cache|store_kvcache", "copy_"),
+    (r"flashinfer::sampling|samplingfromprob|sampling_from", "sampling"),
+    (r"rms_?norm|layer_?norm", "norm"),
+    (r"act_and_mul|silu_and_mul|gelu_and_mul|gelu_tanh_and_mul", "activation"),
+    (r"rotary_embedding|applyrotary|apply_rope|rotary_emb", "rope"),
+    (r"_fwd_(?:grouped_)?kernel_stage[12]", "attention"),  # SGLang's Triton decode attention (two stages)
     (r"flash|fmha|sdpa|attention|attn|paged|mla_|(?:\A|(?<=\n))(?>.*?decode_kernel).*kv|splitkv", "attention"),
     (r"vectorized_gather_kernel", "other"),  # ATen's index_select / embedding row gather
     # top-k sorts its k winners with a bitonic sort; packing tokens by expert sorts them with a radix sort (H200 MoE)
@@ -68,11 +81,11 @@ _KERNEL_PATTERNS = [(re.compile(p, re.IGNORECASE), c) for p, c in [
      "scatter_gather"),
     (r"moe|grouped_gemm|grouped_mm|groupproblemshape|ptrarray|expert", "grouped_gemm"),
     (r"catarraybatchedcopy|direct_copy|copy_kernel|index_copy|index_put|_to_copy|copy_device_to_device|"
-     r"reshape_and_cache|concat_and_cache|store_kvcache|repeat_interleave|cat_kernel", "copy_"),
+     r"repeat_interleave|cat_kernel", "copy_"),
     (r"batched|bmm", "bmm"),
     (r"gemm|gemv|nvjet|cutlass|xmma|cublas|_mm_|matmul|(?:\A|(?<=\n))(?>.*?sm\d+_).*tensorop|wgmma|splitk|"
-     r"dot_kernel", "gemm"),
-    (r"rms_?norm|layer_?norm|group_?norm|batch_?norm|_norm_", "norm"),
+     r"dot_kernel|marlin|scaled_mm", "gemm"),  # Marlin and the scaled_mm family: quantized (int4, fp8) GEMMs
+    (r"group_?norm|batch_?norm|_norm_", "norm"),
     (r"rotary|rope", "rope"),
     (r"argmax|argmin|multinomial|sampl|top_p|top_k_|exponential|distribution", "sampling"),
     (r"silu|gelu|relu|sigmoid|tanh|swiglu|act_and_mul|softplus", "activation"),

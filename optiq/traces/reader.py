@@ -9,8 +9,16 @@ Events may come in any order, so linkage and enclosure are resolved after the pa
 - launch: the ``cuda_runtime``/``cuda_driver`` event with the kernel's ``correlation``; its thread and time place the
   kernel inside the ``optiq/step``, ``optiq/layer`` and ``optiq/role`` record_function ranges around it
   (innermost wins; a kernel inside a layer but outside any role gets role "other");
-- step: ``optiq/step/<n>`` ranges, else vLLM (``execute_context_..._generation_...``) or SGLang (``step[DECODE bs=N]``)
-  markers, else the whole trace is one step (and the table says so).
+- step: ``optiq/step/<n>`` ranges (the forward and sampling), else the decode markers of vLLM or SGLang (the forward
+  only: ``STEP_GRAMMARS`` says which names count as decode), else the whole trace is one step (and the table says so);
+- phase: a kernel launched in a step is "step"; launched after an engine's decode step ends and before its next marker
+  begins it is "sampling" (both engines sample, and vLLM drafts, outside the step's range); in an SGLang draft span,
+  or after one, "draft"; anything else (prefill, warm-up) "outside".
+
+SGLang's merged file (``merged-{id}.trace.json.gz``) holds every rank, told apart only by the label its merger put
+before each pid (``"[TP01] 4242"``): such a file is read as one trace per label. vLLM's frontend trace
+(``*.async_llm.*``: Python events only) is recognised, by its name or by Python events without any op, and marked
+``frontend`` rather than refused, so that the caller can leave it out of a folder of worker traces.
 
 Hostile input is bounded before it costs memory or time (``ReadLimits``): the byte stream is checked, chunk by chunk
 and before ijson sees it, for nesting depth (ijson keeps the path of every open container, quadratic in the depth) and
@@ -31,6 +39,7 @@ import re
 import stat
 import zlib
 from array import array
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -47,8 +56,44 @@ except ImportError:  # the pure-Python backend is ~10x slower but gives the same
     _ijson = ijson
 
 STEP_PREFIX, LAYER_PREFIX, ROLE_PREFIX = "optiq/step/", "optiq/layer/", "optiq/role/"
-VLLM_STEP = re.compile(r"execute_(?:\d+_)?context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
-SGLANG_STEP = re.compile(r"step\[(\w+) bs=(\d+)")
+
+# The engines' step markers and which of them are decode steps (tests/data/engine_traces.py cites the source lines).
+# vLLM: Worker.annotate_profile writes ``execute_context_{requests}({tokens})_generation_{requests}({tokens})``, with
+# detailed_trace_annotation ``execute_{tokens}_context_{requests}(sq{tokens}sk..)_generation_{requests}(sq..)``, and
+# builds before Dec 2025 ``execute_new_{new requests}_cached_{running requests}``: a decode step schedules no context
+# (new) request and at least one generating one. SGLang: ModelRunner.forward's ``step[{MODE} bs={n}...]``; under
+# speculative decoding the target model's verify pass (VERIFY, older builds TARGET_VERIFY) is the decode step (it is
+# the forward that emits the tokens) and DRAFT/DRAFT_EXTEND spans are the draft model's work, shown apart.
+VLLM_STEP = re.compile(r"execute_(?:\d+_)?context_(\d+)\((?:sq)?\d+[^)]{0,200}\)_generation_(\d+)\(")
+VLLM_OLD_STEP = re.compile(r"execute_new_(\d+)_cached_(\d+)")
+SGLANG_STEP = re.compile(r"step\[(\w+) bs=\d+")
+SGLANG_DECODE, SGLANG_DRAFT = {"DECODE", "VERIFY", "TARGET_VERIFY"}, {"DRAFT", "DRAFT_EXTEND", "DRAFT_EXTEND_V2"}
+
+
+def _vllm_kind(match: re.Match) -> str:
+    """A vLLM step with a context (prefill) request is prefill or mixed; only all-generating steps are decode."""
+    return "decode" if match.group(1) == "0" and match.group(2) != "0" else "other"
+
+
+def _sglang_kind(match: re.Match) -> str:
+    """SGLang's mode names say it: decode (or the target's verify), the draft model's work, or anything else."""
+    mode = match.group(1).upper()
+    return "decode" if mode in SGLANG_DECODE else "draft" if mode in SGLANG_DRAFT else "other"
+
+
+STEP_GRAMMARS = (("vllm", VLLM_STEP, _vllm_kind), ("vllm", VLLM_OLD_STEP, _vllm_kind),
+                 ("sglang", SGLANG_STEP, _sglang_kind))
+STEP_DEFINITIONS = {
+    "optiq": "one optiq/step range: the forward and its sampling",
+    "vllm": "one decode forward (vLLM's execute_..._generation_N range); sampling and drafting run after it, "
+            "shown apart",
+    "sglang": "one target-model forward (SGLang's step[DECODE] or, speculative, step[VERIFY]); sampling after it "
+              "and step[DRAFT] spans shown apart",
+    "whole trace": "the whole trace (no step markers)",
+}
+WORK_PHASES = ("step", "sampling", "draft")  # a decode step's work, wherever the markers put it
+PHASES = (*WORK_PHASES, "outside")  # outside: prefill, warm-up, anything no decode step owns
+RANK_LABEL = re.compile(r"\[((?:TP|DP|PP|EP)\d+(?:-(?:TP|DP|PP|EP)\d+)*)\] ")
 GPU_KINDS = {"kernel": 0, "gpu_memcpy": 1, "gpu_memset": 2}
 KIND_NAMES = ("kernel", "memcpy", "memset", "cpu_op")
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
@@ -100,6 +145,12 @@ class Trace:
     step_source: str  # "optiq", "vllm", "sglang" or "whole trace"
     cpu_only: bool = False
     notes: list[str] = field(default_factory=list)
+    label: str = ""  # the rank's label in a merged file ("TP01"), else empty
+    frontend: bool = False  # a CPU-only trace of Python events (vLLM's async_llm): nothing to attribute
+
+    @property
+    def step_definition(self) -> str:
+        return STEP_DEFINITIONS[self.step_source]
 
 
 class _Columns:
@@ -122,7 +173,7 @@ class _Scan:
         self.name_bytes = 0
         self.names: dict[str, int] = {}  # every kept name, interned to a code
         self.threads: dict[object, int] = {}  # string pids/tids -> integer codes
-        self.gpu = _Columns(name="l", kind="b", ts="d", dur="d", device="l", stream="l", corr="q", ext="q")
+        self.gpu = _Columns(name="l", kind="b", ts="d", dur="d", device="l", stream="l", corr="q", ext="q", pid="l")
         self.ops = _Columns(name="l", ts="d", dur="d", pid="l", tid="l", ext="q")
         self.launches = _Columns(name="l", ts="d", pid="l", tid="l", corr="q")
         self.marks: list[tuple[str, float, float, int, int]] = []  # name, ts, end, pid, tid
@@ -130,6 +181,7 @@ class _Scan:
         self.no_duration = 0  # GPU events without a duration or with a negative one: left out
         self.negative_ranges = 0  # annotations with a negative duration: taken as instants
         self.repeated = 0  # events identical to one already read: counted once
+        self.python_events = 0  # with_stack's python_function events (a frontend trace holds nothing else)
 
     def keep(self, text) -> None:
         """Account for one more distinct name kept (only strings are names), within ``max_name_bytes``."""
@@ -245,7 +297,7 @@ class _Bounded:
 
 
 def _is_marker(name: str) -> bool:
-    return name.startswith("optiq/") or VLLM_STEP.search(name) is not None or SGLANG_STEP.match(name) is not None
+    return name.startswith("optiq/") or any(pattern.search(name) for _, pattern, _ in STEP_GRAMMARS)
 
 
 def _scan(stream, limits: ReadLimits) -> _Scan:
@@ -255,7 +307,7 @@ def _scan(stream, limits: ReadLimits) -> _Scan:
     names, threads, keep = scan.names, scan.threads, scan.keep
     g, o, la = scan.gpu, scan.ops, scan.launches
     g_name, g_kind, g_ts, g_dur = g.name.append, g.kind.append, g.ts.append, g.dur.append
-    g_dev, g_stream, g_corr, g_ext = g.device.append, g.stream.append, g.corr.append, g.ext.append
+    g_dev, g_stream, g_corr, g_ext, g_pid = g.device.append, g.stream.append, g.corr.append, g.ext.append, g.pid.append
     o_name, o_ts, o_dur, o_pid, o_tid, o_ext = o.name.append, o.ts.append, o.dur.append, o.pid.append, \
         o.tid.append, o.ext.append
     l_name, l_ts, l_pid, l_tid, l_corr = la.name.append, la.ts.append, la.pid.append, la.tid.append, la.corr.append
@@ -312,6 +364,8 @@ def _scan(stream, limits: ReadLimits) -> _Scan:
             g_stream(args.get("stream", -1))
             g_corr(args.get("correlation", -1))
             g_ext(args.get("External id", -1))
+            pid = ev.get("pid", -1)  # the device; SGLang's merged file labels it with the rank
+            g_pid(pid if pid.__class__ is int else _thread(ev, threads, keep)[0])
         elif cat in RUNTIME_CATS:
             name = ev["name"]
             code = launch_codes.get(name)
@@ -341,6 +395,8 @@ def _scan(stream, limits: ReadLimits) -> _Scan:
                     scan.negative_ranges += 1
                     dur = 0.0
                 marks.append((name, ts, ts + dur, pid, tid))
+        elif cat == "python_function":
+            scan.python_events += 1
     scan.events = count
     return scan
 
@@ -484,33 +540,44 @@ def _lookup(keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
     return np.where(found, order[pos], -1)
 
 
-def _steps(scan: _Scan) -> tuple[pd.DataFrame, str, list[str]]:
-    """Step ranges, from optiq's own annotations first, then vLLM's or SGLang's markers (decode steps only).
+def _steps(scan: _Scan) -> tuple[pd.DataFrame, pd.DataFrame, str, list[str]]:
+    """Decode step ranges and every engine marker range (for phases), from optiq's own annotations first, then the
+    first engine grammar (``STEP_GRAMMARS``) any marker matches.
 
     Steps are numbered in time order; the marker's own text stays in ``name`` (numbers in markers can repeat, e.g.
-    one sweep per concurrency)."""
+    one sweep per concurrency). A trace whose markers hold no decode step has no steps (a prefill-only file, such as
+    SGLang's ``-EXTEND`` one of profile_by_stage), not one whole-trace step."""
     notes: list[str] = []
     rows = sorted((ts, name, end, pid) for name, ts, end, pid, _ in scan.marks
                   if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit())
+    markers = pd.DataFrame([(ts, end, pid, "decode", i) for i, (ts, name, end, pid) in enumerate(rows)],
+                           columns=["start", "end", "pid", "kind", "step"])
     rows = [(i, name, ts, end, pid) for i, (ts, name, end, pid) in enumerate(rows)]
     source = "optiq"
     if not rows:
-        for source, pattern, is_decode in (
-                ("vllm", VLLM_STEP, lambda m: m.group(1) == "0" and m.group(3) != "0"),
-                ("sglang", SGLANG_STEP, lambda m: m.group(1).upper() == "DECODE")):
-            found = [(name, ts, end, pid, pattern.search(name)) for name, ts, end, pid, _ in scan.marks]
-            found = [f for f in found if f[4]]
-            if found:
-                decode = [f for f in found if is_decode(f[4])]
-                if len(decode) < len(found):
-                    notes.append(f"{len(found) - len(decode)} non-decode {source} step(s) (prefill/mixed) left out")
-                rows = [(0, name, ts, end, pid) for name, ts, end, pid, _ in sorted(decode, key=lambda f: f[1])]
-                rows = [(i, *row[1:]) for i, row in enumerate(rows)]
-                break
-    if not rows:
         source = "whole trace"
-        notes.append("no step markers (optiq/step, vLLM, SGLang): the whole trace is treated as one step")
-    return pd.DataFrame(rows, columns=["step", "name", "start", "end", "pid"]), source, notes
+        for grammar, pattern, kind_of in STEP_GRAMMARS:
+            found = [(ts, name, end, pid, kind_of(m)) for name, ts, end, pid, _ in scan.marks
+                     if (m := pattern.search(name))]
+            if not found:
+                continue
+            source = grammar
+            found.sort(key=lambda f: f[0])
+            kinds = Counter(f[4] for f in found)
+            if kinds["other"]:
+                notes.append(f"{kinds['other']} non-decode {grammar} step(s) (prefill/mixed) left out")
+            if not kinds["decode"]:
+                notes.append(f"no decode step among its {len(found)} {grammar} step marker(s)")
+            number = np.cumsum([f[4] == "decode" for f in found]) - 1
+            markers = pd.DataFrame([(ts, end, pid, kind, n if kind == "decode" else -1)
+                                    for (ts, _, end, pid, kind), n in zip(found, number.tolist())],
+                                   columns=["start", "end", "pid", "kind", "step"])
+            rows = [(n, name, ts, end, pid) for (ts, name, end, pid, kind), n in zip(found, number.tolist())
+                    if kind == "decode"]
+            break
+        else:
+            notes.append("no step markers (optiq/step, vLLM, SGLang): the whole trace is treated as one step")
+    return pd.DataFrame(rows, columns=["step", "name", "start", "end", "pid"]), markers, source, notes
 
 
 def _annotation_index(scan: _Scan, prefix: str) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
@@ -521,17 +588,37 @@ def _annotation_index(scan: _Scan, prefix: str) -> tuple[list[str], np.ndarray, 
     return labels, keys, np.array([m[1] for m in picked], float), np.array([m[2] for m in picked], float)
 
 
-def _place(scan: _Scan, steps: pd.DataFrame, pid, tid, ts) -> dict[str, np.ndarray]:
-    """Step, layer and role of launch points (pid, tid, ts codes; ts NaN where the launch is unknown)."""
+def _phases(markers: pd.DataFrame, pid: np.ndarray, ts: np.ndarray, source: str) -> tuple[np.ndarray, np.ndarray]:
+    """Step number and phase (``PHASES``) of launch points: inside a decode marker, its step and "step"; inside a
+    draft marker or after one, "draft"; after an engine's decode step and before the next marker, "sampling" (optiq's
+    own steps hold their sampling, so after one is "outside"). Markers of one process follow one another, so a point
+    belongs to the last marker that began before it on its process."""
+    step = np.full(len(ts), -1, np.int64)
+    phase = np.full(len(ts), "outside", dtype=object)
+    after_decode = "outside" if source == "optiq" else "sampling"
+    for process, group in markers.groupby("pid", sort=False):
+        group = group.sort_values("start", kind="stable")
+        mine = np.flatnonzero((pid == process) & ~np.isnan(ts))
+        last = np.searchsorted(group["start"].to_numpy(float), ts[mine], side="right") - 1
+        began = last >= 0
+        mine, last = mine[began], last[began]
+        inside = ts[mine] <= group["end"].to_numpy(float)[last]
+        kind = group["kind"].to_numpy(object)[last]
+        step[mine] = np.where(inside & (kind == "decode"), group["step"].to_numpy(np.int64)[last], -1)
+        phase[mine] = np.select([kind == "draft", (kind == "decode") & inside, kind == "decode"],
+                                ["draft", "step", after_decode], "outside")
+    return step, phase
+
+
+def _place(scan: _Scan, markers: pd.DataFrame, source: str, pid, tid, ts) -> dict[str, np.ndarray]:
+    """Step, phase, layer and role of launch points (pid, tid, ts codes; ts NaN where the launch is unknown)."""
     known = ~np.isnan(ts)
     thread = np.where(known, _thread_key(pid, tid), -1)
     t = np.where(known, ts, -np.inf)
-    if len(steps):
-        idx = _innermost(steps["pid"].to_numpy(np.int64), steps["start"].to_numpy(float),
-                         steps["end"].to_numpy(float), np.where(known, pid, -1), t, nested=False)
-        step = np.where(idx >= 0, steps["step"].to_numpy()[np.maximum(idx, 0)], -1)
+    if source == "whole trace":
+        step, phase = np.zeros(len(ts), np.int64), np.full(len(ts), "step", dtype=object)
     else:
-        step = np.zeros(len(ts), np.int64)
+        step, phase = _phases(markers, np.where(known, pid, -1), ts, source)
     labels, keys, starts, ends = _annotation_index(scan, LAYER_PREFIX)
     idx = _innermost(keys, starts, ends, thread, t)
     # isdigit() also passes "²", which int() refuses; over 18 digits would overflow int64
@@ -542,7 +629,7 @@ def _place(scan: _Scan, steps: pd.DataFrame, pid, tid, ts) -> dict[str, np.ndarr
     role_labels = np.array(labels + [None], dtype=object)
     role = role_labels[idx]  # idx -1 picks the trailing None
     role[(role == None) & (layer >= 0)] = "other"  # noqa: E711 (elementwise comparison)
-    return {"step": step, "layer": layer, "role": role}
+    return {"step": step, "phase": phase, "layer": layer, "role": role}
 
 
 def _cpu_self_time(scan: _Scan) -> np.ndarray:
@@ -592,7 +679,7 @@ def _own_intervals(device: np.ndarray, stream: np.ndarray, ts: np.ndarray,
     return ts + overlap, dur - overlap
 
 
-def _gpu_table(scan: _Scan, steps: pd.DataFrame, names: list[str]) -> pd.DataFrame:
+def _gpu_table(scan: _Scan, markers: pd.DataFrame, source: str, names: list[str]) -> pd.DataFrame:
     g, ops, la = scan.gpu, scan.ops, scan.launches
     kind, ext, corr = g.numpy("kind"), g.numpy("ext"), g.numpy("corr")
     ts, dur = _own_intervals(g.numpy("device"), g.numpy("stream"), g.numpy("ts"), g.numpy("dur"))
@@ -612,7 +699,7 @@ def _gpu_table(scan: _Scan, steps: pd.DataFrame, names: list[str]) -> pd.DataFra
 
     at_pid, at_tid = from_launch_or_op("pid", "pid", -1), from_launch_or_op("tid", "tid", -1)
     at_ts = from_launch_or_op("ts", "ts", np.nan)
-    place = _place(scan, steps, at_pid, at_tid, at_ts)
+    place = _place(scan, markers, source, at_pid, at_tid, at_ts)
     op_key = _thread_key(ops.numpy("pid"), ops.numpy("tid"))
     top = _innermost(op_key, ops.numpy("ts"), ops.numpy("ts") + ops.numpy("dur"),
                      np.where(np.isnan(at_ts), -1, _thread_key(at_pid, at_tid)),
@@ -637,11 +724,11 @@ def _gpu_table(scan: _Scan, steps: pd.DataFrame, names: list[str]) -> pd.DataFra
     })
 
 
-def _cpu_table(scan: _Scan, steps: pd.DataFrame, names: list[str]) -> pd.DataFrame:
+def _cpu_table(scan: _Scan, markers: pd.DataFrame, source: str, names: list[str]) -> pd.DataFrame:
     """Without GPU activity: each CPU op with its self time, classified by its own name."""
     ops = scan.ops
     ts, name_code = ops.numpy("ts"), ops.numpy("name")
-    place = _place(scan, steps, ops.numpy("pid"), ops.numpy("tid"), ts)
+    place = _place(scan, markers, source, ops.numpy("pid"), ops.numpy("tid"), ts)
     op_class = _classes(name_code, names, class_of_op)
     name = _categorical(name_code, names)
     return pd.DataFrame({
@@ -682,13 +769,25 @@ def _check_regular_file(path: Path) -> None:
 
 
 def read_trace(path: str | Path, rank: int | None = None, limits: ReadLimits = ReadLimits()) -> Trace:
-    """Read one trace file into its kernel table and steps; any malformed or oversized input raises a one-line
-    OptiqError."""
+    """Read one trace file of one rank into its kernel table and steps; any malformed or oversized input, or a
+    merged file of several ranks, raises a one-line OptiqError."""
+    traces = read_traces(path, limits)
+    if len(traces) > 1:
+        raise OptiqError(f"{path}: holds {len(traces)} ranks ({', '.join(t.label for t in traces)}); one rank's "
+                         "trace is needed here")
+    if rank is not None:
+        traces[0].rank = rank
+    return traces[0]
+
+
+def read_traces(path: str | Path, limits: ReadLimits = ReadLimits()) -> list[Trace]:
+    """Read one trace file into one Trace per rank it holds (several only for a merged file); any malformed or
+    oversized input raises a one-line OptiqError."""
     path = Path(path)
     limits = limits.resolved()
     _check_regular_file(path)
     try:
-        return _read(path, rank, limits)
+        return _read(path, limits)
     except _Refused as exc:
         raise OptiqError(f"{path}: refused: {exc}") from None
     except MemoryError:
@@ -705,14 +804,55 @@ def read_trace(path: str | Path, rank: int | None = None, limits: ReadLimits = R
         raise OptiqError(f"{path}: cannot read it ({exc.strerror or exc})") from None
 
 
-def _read(path: Path, rank: int | None, limits: ReadLimits) -> Trace:
+def _read(path: Path, limits: ReadLimits) -> list[Trace]:
     with _open(path) as raw:
         scan = _scan(_Bounded(raw, limits), limits)
     if not scan.events:
         raise OptiqError(f"{path}: {_without_events(path, limits)}; not a Kineto/torch.profiler trace")
     _dedupe(scan)
+    labels = _rank_labels(scan)
+    if not labels:
+        return [_trace(scan, path, _rank_of(path, 0), "")]
+    ordered = sorted(labels.items(), key=lambda item: _label_order(item[0]))
+    return [_trace(_only(scan, codes), path, rank, label) for rank, (label, codes) in enumerate(ordered)]
+
+
+def _rank_labels(scan: _Scan) -> dict[str, set[int]]:
+    """The pid codes under each rank label SGLang's merger put before the pids (``"[TP01] 4242"``), if any."""
+    labels: dict[str, set[int]] = {}
+    for value, code in scan.threads.items():
+        found = RANK_LABEL.match(value) if value.__class__ is str else None
+        if found:
+            labels.setdefault(found.group(1), set()).add(code)
+    return labels
+
+
+def _label_order(label: str) -> tuple[int, ...]:
+    """The merger's own order of ranks: by DP, then EP, PP and TP."""
+    ranks = dict(re.findall(r"([A-Z]+)(\d+)", label))
+    return tuple(int(ranks.get(kind, 0)) for kind in ("DP", "EP", "PP", "TP"))
+
+
+def _only(scan: _Scan, pids: set[int]) -> _Scan:
+    """The part of a merged file's scan on the given pids: one rank. Correlation and External ids repeat across
+    ranks, so linkage must be resolved within one."""
+    part = _Scan(scan.limits)
+    part.names, part.threads, part.events = scan.names, scan.threads, scan.events
+    part.no_duration, part.negative_ranges, part.repeated = scan.no_duration, scan.negative_ranges, scan.repeated
+    wanted = np.array(sorted(pids), np.int64)
+    for name in ("gpu", "ops", "launches"):
+        columns, target = getattr(scan, name), getattr(part, name)
+        keep = np.isin(columns.numpy("pid"), wanted)
+        for column in vars(columns):
+            setattr(target, column, array(getattr(columns, column).typecode, columns.numpy(column)[keep].tobytes()))
+    part.marks = [m for m in scan.marks if m[3] in pids]
+    return part
+
+
+def _trace(scan: _Scan, path: Path, rank: int, label: str) -> Trace:
+    """The Trace of one rank's scan."""
     names = list(scan.names)
-    steps, step_source, notes = _steps(scan)
+    steps, markers, step_source, notes = _steps(scan)
     if scan.no_duration:
         notes.append(f"{scan.no_duration} GPU event(s) without a duration or with a negative one left out")
     if scan.negative_ranges:
@@ -720,22 +860,24 @@ def _read(path: Path, rank: int | None, limits: ReadLimits) -> Trace:
     if scan.repeated:
         notes.append(f"{scan.repeated} event(s) repeated verbatim counted once")
     cpu_only = not len(scan.gpu.ts)
+    # vLLM names its frontend's trace {host}_{pid}.async_llm.*; without that name, Python frames and no op tell it
+    frontend = cpu_only and (".async_llm." in path.name or (not len(scan.ops.ts) and scan.python_events > 0))
+    if cpu_only and not len(scan.ops.ts) and not frontend:
+        raise OptiqError(f"{path}: no GPU events (kernels, memcpy, memset) and no CPU ops to attribute")
     if cpu_only:
-        if not len(scan.ops.ts):
-            raise OptiqError(f"{path}: no GPU events (kernels, memcpy, memset) and no CPU ops to attribute")
-        notes.insert(0, "no GPU events: attributing CPU op self time instead")
-        kernels = _cpu_table(scan, steps, names)
+        notes.insert(0, "a CPU-only frontend trace (vLLM's async_llm): no GPU events" if frontend else
+                     "no GPU events: attributing CPU op self time instead")
+        kernels = _cpu_table(scan, markers, step_source, names)
         ends = scan.ops.numpy("ts") + scan.ops.numpy("dur")  # an op's whole range, not its self time
     else:
-        kernels = _gpu_table(scan, steps, names)
+        kernels = _gpu_table(scan, markers, step_source, names)
         ends = (kernels["ts"] + kernels["dur"]).to_numpy()
     if step_source == "whole trace":
-        first, last = kernels["ts"].min(), ends.max()
+        first, last = (kernels["ts"].min(), ends.max()) if len(ends) else (0.0, 0.0)
         steps = pd.DataFrame([(0, "whole trace", first, last, -1)], columns=["step", "name", "start", "end", "pid"])
-        kernels["step"] = 0
         launches = np.array([len(scan.launches.ts)])
     else:
         launches = _launch_counts(scan, steps)
     steps["launches"] = launches
-    return Trace(path=str(path), rank=_rank_of(path, 0) if rank is None else rank, kernels=kernels,
-                 steps=steps.drop(columns="pid"), step_source=step_source, cpu_only=cpu_only, notes=notes)
+    return Trace(path=str(path), rank=rank, kernels=kernels, steps=steps.drop(columns="pid"),
+                 step_source=step_source, cpu_only=cpu_only, notes=notes, label=label, frontend=frontend)
