@@ -29,7 +29,7 @@ from optiq.catalog.proposals import choose_recipes, named_recipes, propose_all
 from optiq.catalog.recipes import Recipe
 from optiq.engine import graph_mode_problem
 from optiq.errors import NothingApplies
-from optiq.gate import GatePlan, validate
+from optiq.gate import GatePlan, Validation, validate
 from optiq.gate.mutants import verify
 from optiq.measure import environment
 from optiq.measure.roofline import copy_bandwidth
@@ -201,13 +201,13 @@ def _fuse_and_measure(job: Job, model, bandwidth: float, record: RunRecord, run_
         _profile(job, model, "after", record.attribution_after, record, run_dir, hooks)
 
 
-def _tell_verdict(verdict, patches: Patches, hooks: Hooks) -> None:
+def _tell_verdict(verdict: Validation, patches: Patches, hooks: Hooks) -> None:
     """One ``hooks.step`` line per recipe of a gate round, and one for its end-to-end check."""
     for name, why in patches.not_applicable.items():
         hooks.step(f"gate: {name} not applicable ({why})")
-    for name, recipe in verdict.recipes.items():
+    for name, judged in verdict.recipes.items():
         hooks.step(f"gate: {name} " + ("kept" if name not in verdict.rolled_back else
-                                       f"rolled back ({recipe.reason})"))
+                                       f"rolled back ({judged.reason})"))
     for check in verdict.end_to_end:
         hooks.step(f"gate: end to end at C={check.concurrency} {'passed' if check.passed else 'failed'} "
                    f"(logits rel err {check.rel_err:.2e}, bound {check.bound:.2e}; top-1 {check.top1:.3f})")

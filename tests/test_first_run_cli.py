@@ -213,4 +213,4 @@ def test_every_exit_code_is_in_the_help_and_the_readme():
     for code, words in ((errors.EXIT_GATE_REJECTED_ALL, "the validation gate rejected every recipe"),
                         (errors.EXIT_NOTHING_APPLIES, "no recipe applies to the model"),
                         (errors.EXIT_INTERRUPTED, "interrupted by Ctrl-C or SIGTERM")):
-        assert f"{code} {words}" in readme and f"{code} {words}" in helped
+        assert f"| {code} | {words}" in readme and f"{code} {words}" in helped

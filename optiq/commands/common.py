@@ -344,8 +344,9 @@ def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_l
             report: bool = False):
     """What ``apply-fusion`` and ``bench`` share around the workflow: the flags checked before any work, a run
     directory, the record saved after every step, with ``report`` the report rendered from it, and how the run ends
-    (exit 1 with the record marked failed, 130 interrupted, 3 when the gate rejected every recipe). Returns the
-    record, the run directory, the report's files (``report.Written``; None without ``report``) and the device."""
+    (exit 1 with the record marked failed, 4 so too when no recipe applies, 130 interrupted, 3 when the gate
+    rejected every recipe). Returns the record, the run directory, the report's files (``report.Written``; None
+    without ``report``) and the device."""
     device, mode = resolve_device_and_mode(device, mode)  # first: it picks Triton's interpreter on the CPU
     from optiq.catalog.proposals import named_recipes
     from optiq.catalog.recipes import load_catalog

@@ -135,7 +135,7 @@ def rich_table(table: report.Table, wide: bool = False) -> Fitted:
     numeric = [column for i, column in enumerate(table.columns)
                if all(row[i][:1].isdigit() or row[i][:1] in "—-+" or row[i] == NOT_MEANINGFUL
                       for row in table.rows if row[i])]
-    return Fitted(table.title, list(map(visible, table.columns)), [list(map(visible, row)) for row in table.rows],
+    return Fitted(table.title, table.columns, [list(map(visible, row)) for row in table.rows],
                   numeric=numeric, optional=REPORT_MINOR, caption=visible(table.note) or None, wide=wide)
 
 
