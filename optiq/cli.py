@@ -74,7 +74,7 @@ class OptiqGroup(click.Group):
             raise
         except OptiqError as exc:
             _error(exc)
-            ctx.exit(EXIT_USER_ERROR)
+            ctx.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("optiq: interrupted", err=True)
             ctx.exit(EXIT_INTERRUPTED)
@@ -91,10 +91,12 @@ class OptiqGroup(click.Group):
 HELP = """optiq: make LLM decode fast by measurement.
 
 \b
-Exit codes: 0 ok, 1 user error (bad model, trace, recipe or flag value), 2 usage (unknown flag),
-3 the validation gate rejected every recipe, 130 interrupted by Ctrl-C or SIGTERM (results so far kept,
-run marked incomplete). Every error is one line, and a failed run is marked so in its run.json;
-OPTIQ_TRACEBACK=1 shows the traceback of an unexpected one.
+Exit codes: 0 ok, 1 user error (bad model, trace, recipe or flag value), 2 usage (unknown flag, a value
+of the wrong type or range, checked before anything is loaded),
+3 the validation gate rejected every recipe, 4 no recipe applies to the model (nothing was gated),
+130 interrupted by Ctrl-C or SIGTERM (results so far kept, run marked incomplete). Every error is one
+line, and a failed run is marked so in its run.json; OPTIQ_TRACEBACK=1 shows the traceback of an
+unexpected one.
 """
 
 

@@ -28,8 +28,8 @@ from optiq import compile_ahead
 from optiq.catalog.proposals import choose_recipes, named_recipes, propose_all
 from optiq.catalog.recipes import Recipe
 from optiq.engine import graph_mode_problem
-from optiq.errors import OptiqError
-from optiq.gate import GatePlan, validate
+from optiq.errors import NothingApplies
+from optiq.gate import GatePlan, Validation, validate
 from optiq.gate.mutants import verify
 from optiq.measure import environment
 from optiq.measure.roofline import copy_bandwidth
@@ -77,12 +77,14 @@ class SweepProgress:
 class Hooks:
     """How the run is shown and kept: ``save(record)`` after every step that changed it, ``status(text)`` around a
     long step, ``sweep(label, points)`` around a throughput sweep, ``note(line)`` for what the user must know of how
-    the run went (a fallback)."""
+    the run went (a fallback), ``step(line)`` for what a step found (the gate's verdict on each recipe) as it is
+    found, so a log shows it before the run ends."""
     save: Callable[[RunRecord], None] = lambda record: None
     status: Callable[[str], AbstractContextManager] = lambda text: nullcontext()
     sweep: Callable[[str, int], AbstractContextManager[SweepProgress]] = lambda label, points: nullcontext(
         SweepProgress())
     note: Callable[[str], None] = lambda line: None
+    step: Callable[[str], None] = lambda line: None
 
 
 def new_record(job: Job) -> RunRecord:
@@ -105,6 +107,8 @@ def run(job: Job, record: RunRecord, run_dir: Path, hooks: Hooks = Hooks()) -> N
         if not job.requested:
             record.status = "rejected"
             return
+        if job.requested != "auto":
+            _check_sites(model, [job.catalog[n] for n in named_recipes(job.requested, job.catalog)])
     if job.mode == "graph":
         with hooks.status("trying a CUDA-graph capture of one decode step"):
             problem = graph_mode_problem(model)
@@ -144,6 +148,21 @@ def _without_broken_recipes(job: Job, model_type: str, record: RunRecord) -> Job
     return replace(job, catalog=catalog, requested=requested)
 
 
+def _check_sites(model, recipes: list[Recipe]) -> None:
+    """Before anything is measured: recipes asked for by name that all find no site in ``model`` (a Llama has no
+    experts for moe_experts) end the run with why, instead of a "before" sweep and a gate with nothing to gate."""
+    patches = apply(model, recipes)
+    found = bool(patches.applied or patches.failed)  # before unpatching, which empties ``applied``
+    unpatch(model)
+    if not found:
+        _nothing_applies(patches.not_applicable)
+
+
+def _nothing_applies(not_applicable: dict[str, str]) -> None:
+    raise NothingApplies("no recipe applies to this model: " + "; ".join(
+        f"{name}: {why}" for name, why in not_applicable.items()))
+
+
 def _fuse_and_measure(job: Job, model, bandwidth: float, record: RunRecord, run_dir: Path, hooks: Hooks) -> None:
     """Profile (for the proposals, and the report), choose, fuse and gate, then measure and profile the fused
     model; status "rejected" when the gate kept none of the recipes."""
@@ -159,7 +178,8 @@ def _fuse_and_measure(job: Job, model, bandwidth: float, record: RunRecord, run_
         record.fusion.proposals = {str(c): ps for c, ps in found.items()}
         names = choose_recipes(job.requested, job.catalog, found, job.min_share)
         if not names:
-            raise OptiqError(f"no recipe to apply: no proposal covers {job.min_share}% of the step")
+            raise NothingApplies(f"no recipe applies to this model: no proposal covers {job.min_share}% of the step "
+                                 "(--min-share)")
         if job.mutants:
             _gate_mutants(model, [job.catalog[n] for n in names], plan, record, hooks)
         rechoose = None
@@ -169,6 +189,8 @@ def _fuse_and_measure(job: Job, model, bandwidth: float, record: RunRecord, run_
                 return choose_recipes(job.requested, job.catalog, again, job.min_share)
         patches = fuse(model, job.catalog, names, record, plan, hooks, rechoose, ahead)
     if not patches.applied:
+        if not record.fusion.rolled_back:  # every recipe chosen found no site: nothing was gated
+            _nothing_applies(record.fusion.not_applicable)
         record.status = "rejected"
         return
     _measure(job, model, [(f"optiq+{job.mode}", job.mode, None)], bandwidth, record.after, record, hooks,
@@ -177,6 +199,18 @@ def _fuse_and_measure(job: Job, model, bandwidth: float, record: RunRecord, run_
     hooks.save(record)
     if job.profile:
         _profile(job, model, "after", record.attribution_after, record, run_dir, hooks)
+
+
+def _tell_verdict(verdict: Validation, patches: Patches, hooks: Hooks) -> None:
+    """One ``hooks.step`` line per recipe of a gate round, and one for its end-to-end check."""
+    for name, why in patches.not_applicable.items():
+        hooks.step(f"gate: {name} not applicable ({why})")
+    for name, judged in verdict.recipes.items():
+        hooks.step(f"gate: {name} " + ("kept" if name not in verdict.rolled_back else
+                                       f"rolled back ({judged.reason})"))
+    for check in verdict.end_to_end:
+        hooks.step(f"gate: end to end at C={check.concurrency} {'passed' if check.passed else 'failed'} "
+                   f"(logits rel err {check.rel_err:.2e}, bound {check.bound:.2e}; top-1 {check.top1:.3f})")
 
 
 def _gate_mutants(model, recipes: list[Recipe], plan: GatePlan, record: RunRecord, hooks: Hooks) -> None:
@@ -254,6 +288,7 @@ def fuse(model: torch.nn.Module, catalog: dict[str, Recipe], names: list[str], r
         fusion.rolled_back += verdict.rolled_back
         fusion.applied = list(patches.applied)
         hooks.save(record)
+        _tell_verdict(verdict, patches, hooks)
         if not verdict.rolled_back or rechoose is None:
             return patches
         again = rechoose(fusion.rolled_back + list(fusion.not_applicable))

@@ -30,7 +30,7 @@ def test_json_document_matches_the_csv(tmp_path):
     csv = tmp_path / "rows.csv"
     result = run(EAGER, "--by", "role", "--json", "--csv", str(csv))
     assert result.exit_code == 0, result.output
-    doc = json.loads(result.output)
+    doc = json.loads(result.stdout)
     (scope,) = doc["results"]
     assert scope["by"] == "role" and scope["methods"]["linkage"] == 1.0 and len(scope["steps"]) == 3
     rows = pd.read_csv(csv)
@@ -40,10 +40,10 @@ def test_json_document_matches_the_csv(tmp_path):
 
 def test_graph_trace_with_eager_companion_is_attributed_by_alignment():
     result = run(GRAPH, "--eager-companion", EAGER, "--json")
-    doc = json.loads(result.output)["results"][0]
+    doc = json.loads(result.stdout)["results"][0]
     assert doc["methods"]["alignment"] == pytest.approx(1.0)
     assert any("378 of 378 replayed kernels aligned" in note for note in doc["notes"])
-    plain = json.loads(run(GRAPH, "--json").output)["results"][0]
+    plain = json.loads(run(GRAPH, "--json").stdout)["results"][0]
     assert plain["methods"]["name"] + plain["methods"]["none"] == pytest.approx(1.0)
     assert "unattributed" in [row["class"] for row in plain["table"]]
 
@@ -52,7 +52,7 @@ def test_several_files_are_ranks_shown_alone_and_together(tmp_path):
     for rank in (0, 1):
         shutil.copy(EAGER, tmp_path / f"host-TP-{rank}.trace.json.gz")
     result = run(str(tmp_path / "host-TP-1.trace.json.gz"), str(tmp_path / "host-TP-0.trace.json.gz"), "--json")
-    scopes = json.loads(result.output)["results"]
+    scopes = json.loads(result.stdout)["results"]
     assert [s["scope"].split(" · ")[0] for s in scopes] == ["rank 0", "rank 1", "all 2 ranks"]
     assert scopes[2]["summary"]["gpu_ms_per_step"] == pytest.approx(2 * scopes[0]["summary"]["gpu_ms_per_step"])
     assert "all 2 ranks" in run(str(tmp_path / "host-TP-0.trace.json.gz"),
@@ -75,4 +75,6 @@ def test_malformed_input_is_one_line_and_exit_1(tmp_path, content, message):
     path.write_bytes(content)
     result = run(str(path))
     assert result.exit_code == 1
-    assert result.output.count("\n") == 1 and message in result.output and "Traceback" not in result.output
+    # One line of error; the progress line before it (stderr is no terminal here) says what was being read.
+    errors = [line for line in result.stderr.splitlines() if line.startswith("optiq: error: ")]
+    assert len(errors) == 1 and message in errors[0] and result.stdout == "" and "Traceback" not in result.output

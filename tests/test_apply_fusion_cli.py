@@ -21,6 +21,7 @@ def test_auto_recipes_pass_the_gate_and_the_report_is_written(tmp_path):
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
     run_dir = Path(doc.pop("run_dir"))
+    assert doc.pop("device_kind") == "cpu" and "interpreter" in doc.pop("timing_note")  # what --json adds
     assert json.loads((run_dir / "report.json").read_text()) == doc
     assert record.from_json(doc).command == "apply-fusion"
     fusion = doc["fusion"]

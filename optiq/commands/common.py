@@ -39,12 +39,28 @@ def parse_concurrency(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise OptiqError(f"--concurrency must be a comma-separated list of integers, not '{shown}'") from None
+        raise OptiqError(f"must be a comma-separated list of integers, not '{shown}'") from None
     if not values or min(values) < 1:
-        raise OptiqError(f"--concurrency needs positive integers, got '{shown}'")
+        raise OptiqError(f"needs positive integers, got '{shown}'")
     if max(values) > MAX_SIZE:
-        raise OptiqError(f"--concurrency values must be at most {MAX_SIZE:,}, got '{shown}'")
+        raise OptiqError(f"values must be at most {MAX_SIZE:,}, got '{shown}'")
     return list(dict.fromkeys(values))
+
+
+class ConcurrencyList(click.ParamType):
+    """--concurrency's type: checked as the command line is parsed, so a bad list is a usage error (exit 2) before
+    torch is imported (seconds); the command gets the text and parses it with the device's default."""
+    name = "C,C,..."
+
+    def convert(self, value, param, ctx):
+        try:
+            parse_concurrency(value)
+        except OptiqError as exc:
+            self.fail(str(exc), param, ctx)
+        return value
+
+
+CONCURRENCY = ConcurrencyList()
 
 
 def resolve_device_and_mode(device: str | None, mode: str | None):
@@ -80,6 +96,11 @@ def _device(text: str):
     return device
 
 
+# optiq.models.PRESETS' names, for --help without importing torch and transformers (seconds) to list them; a test
+# holds the two equal.
+PRESET_NAMES = ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v2", "qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b",
+                "qwen3-30b-a3b", "gemma-3-1b", "phi-3-mini", "mistral-7b", "deepseek-v2-lite")
+
 # Workload W1 on a GPU; a small one on the CPU, where the fusions run under Triton's interpreter.
 WORKLOADS = {"cuda": {"concurrency": "1,16,64", "prompt_len": 512, "new_tokens": 128, "max_len": 1024},
              "cpu": {"concurrency": "1,2", "prompt_len": 64, "new_tokens": 16, "max_len": 128}}
@@ -90,7 +111,7 @@ def workload_options(gpu_concurrency: str = "1,16,64", new_tokens: bool = True):
     cpu = WORKLOADS["cpu"]
     options = [
         ("--concurrency", f"Batch sizes, comma-separated (default {gpu_concurrency} on CUDA, {cpu['concurrency']} "
-                          f"on CPU).", str),
+                          f"on CPU).", CONCURRENCY),
         ("--prompt-len", f"Random prompt tokens per sequence (default 512 on CUDA, {cpu['prompt_len']} on CPU).",
          SIZE),
         *([("--new-tokens", f"Decode steps timed per repeat (default 128 on CUDA, {cpu['new_tokens']} on CPU).",
@@ -225,38 +246,97 @@ def print_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
 
 
-class _SweepBar:
-    """workflow.SweepProgress on a rich progress bar."""
+def say(line: str) -> None:
+    """One progress line on stderr, ``optiq: <line>``: what a step found (a recipe kept), or in a log (stderr not a
+    terminal, where no spinner draws) what the run is doing now."""
+    err.print(f"optiq: {visible(line)}", highlight=False)
 
-    def __init__(self, progress, task, label: str):
-        self.progress, self.task, self.label = progress, task, label
+
+class _Logged:
+    """``status`` where stderr is no terminal: its line once, as the step starts. A spinner's later texts are left
+    out (a caller prints whatever of them matters as a line of its own)."""
+
+    def __init__(self, line: str):
+        say(line)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def update(self, *text) -> None:
+        pass
+
+
+def status(line: str):
+    """Around a long step: a spinner on stderr beside ``line`` (which may name a model, a path, recipes, shown as
+    text) in a terminal, the line itself in a log."""
+    return err.status(Text(visible(line))) if err.is_terminal else _Logged(line)
+
+
+class _SweepBar:
+    """workflow.SweepProgress on a rich progress bar (a terminal), or as one line per point (a log)."""
+
+    def __init__(self, label: str, points: int, progress=None):
+        self.label, self.points, self.progress, self.started = label, points, progress, 0
+        self.task = progress.add_task(visible(label), total=points) if progress else None
 
     def start(self, variant: str, concurrency: int) -> None:
-        self.progress.update(self.task, description=visible(f"{self.label} {variant} C={concurrency}"))
+        self.started += 1
+        if self.progress is None:
+            say(f"measuring {self.label}: {variant} C={concurrency} ({self.started}/{self.points})")
+        else:
+            self.progress.update(self.task, description=visible(f"{self.label} {variant} C={concurrency}"))
 
     def done(self) -> None:
-        self.progress.advance(self.task)
+        if self.progress is not None:
+            self.progress.advance(self.task)
 
 
 @contextmanager
 def _sweep_bar(label: str, points: int):
+    if not err.is_terminal:
+        yield _SweepBar(label, points)
+        return
     progress = Progress(TextColumn("{task.description}", markup=False), BarColumn(),
                         TextColumn("{task.completed}/{task.total}"),
                         TimeElapsedColumn(), console=err, transient=True)
     with progress:
-        yield _SweepBar(progress, progress.add_task(visible(label), total=points), label)
+        yield _SweepBar(label, points, progress)
 
 
 def console_hooks(save):
-    """workflow.Hooks for a terminal: spinners and progress bars on stderr, ``save(record)`` after every step."""
+    """workflow.Hooks for the console: spinners and progress bars on stderr (plain lines in a log), ``save(record)``
+    after every step."""
     from optiq.workflow import Hooks
 
-    return Hooks(save=save, status=status, sweep=_sweep_bar, note=lambda line: err.print(f"note: {visible(line)}"))
+    return Hooks(save=save, status=status, sweep=_sweep_bar, note=lambda line: err.print(f"note: {visible(line)}"),
+                 step=say)
 
 
-def status(line: str):
-    """A spinner on stderr beside ``line`` (which may name a model, a path, recipes), shown as text."""
-    return err.status(Text(visible(line)))
+wide_option = click.option("--wide", is_flag=True,
+                           help="Show every column of the tables, folding cells as needed (by default a table fits "
+                                "the terminal: minor columns left out, long names cut with …).")
+
+
+def timing_note(device, fused: bool) -> str | None:
+    """What a CPU run's numbers mean, for the terminal and ``--json``'s ``timing_note`` (None on a GPU)."""
+    if device.type != "cpu":
+        return None
+    note = "measured on the CPU: these timings say nothing about a GPU's"
+    if fused:
+        note += ("; the fused model's Triton kernels ran under Triton's interpreter (thousands of times slower than "
+                 "compiled kernels), so its throughput and speed-up are not meaningful (n/m). What this run proves "
+                 "is the gate's verdict: each kept recipe, and the fused model end to end, compute what the model "
+                 "computes")
+    return note
+
+
+def device_fields(device, fused: bool) -> dict:
+    """The keys ``--json`` adds to a run record: ``device_kind`` (cpu or cuda) and, on the CPU, ``timing_note``."""
+    note = timing_note(device, fused)
+    return {"device_kind": device.type, **({"timing_note": note} if note else {})}
 
 
 def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_len, new_tokens, max_len, repeats,
@@ -264,8 +344,9 @@ def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_l
             report: bool = False):
     """What ``apply-fusion`` and ``bench`` share around the workflow: the flags checked before any work, a run
     directory, the record saved after every step, with ``report`` the report rendered from it, and how the run ends
-    (exit 1 with the record marked failed, 130 interrupted, 3 when the gate rejected every recipe). Returns the
-    record, the run directory and the report's files (``report.Written``; None without ``report``)."""
+    (exit 1 with the record marked failed, 4 so too when no recipe applies, 130 interrupted, 3 when the gate
+    rejected every recipe). Returns the record, the run directory, the report's files (``report.Written``; None
+    without ``report``) and the device."""
     device, mode = resolve_device_and_mode(device, mode)  # first: it picks Triton's interpreter on the CPU
     from optiq.catalog.proposals import named_recipes
     from optiq.catalog.recipes import load_catalog
@@ -315,7 +396,7 @@ def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_l
         save(record)
         written = write_report(run_dir.path, record) if report else None
     run_dir.finish(record.status, points_done=points())
-    return record, run_dir, written
+    return record, run_dir, written, device
 
 
 def exit_if_rejected(record) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from optiq.commands.common import (SIZE, err, model_options, out, parse_concurrency, print_json, recipes_dir_option,
-                                   resolve_device_and_mode, run_ending, status, workload_defaults, workload_options)
+                                   resolve_device_and_mode, run_ending, status, wide_option, workload_defaults,
+                                   workload_options)
 from optiq.text import visible
 
 
@@ -21,9 +22,10 @@ from optiq.text import visible
 @click.option("--top", default=3, show_default=True, type=SIZE, help="Top kernels / places per row.")
 @recipes_dir_option
 @click.option("--runs-dir", default="runs", show_default=True, help="Where the run directory is created.")
+@wide_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
 def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, mode, by, top, recipes_dir, runs_dir,
-            as_json):
+            wide, as_json):
     """Run the decode step under torch.profiler at each concurrency and attribute its GPU time.
 
     \b
@@ -77,10 +79,10 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
             write_csv(run.path / f"attribution_C{batch}.csv", attribution.table.to_dict(orient="records"))
             results.append(doc)
             if not as_json:
-                out.print(attribution_view(attribution, f"{model_spec} · C={batch} · {mode} · by {by}"))
+                out.print(attribution_view(attribution, f"{model_spec} · C={batch} · {mode} · by {by}", wide))
                 for note in attribution.notes:
                     out.print(f"  note: {visible(note)}")
-                out.print(proposals_table(proposals, f"proposals · {model_spec} · C={batch}"))
+                out.print(proposals_table(proposals, f"proposals · {model_spec} · C={batch}", wide))
             free_memory()
     run.finish("complete", concurrencies_done=len(results))
     if as_json:

@@ -6,36 +6,37 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import click
-from rich.table import Table
 from rich.text import Text
 
-from optiq.catalog.recipes import TOLERANCES, load_catalog
-from optiq.commands.common import (SIZE, err, model_options, out, parse_concurrency, print_json, recipes_dir_option,
-                                   resolve_device_and_mode, run_ending, status)
+from optiq.commands.common import (CONCURRENCY, SIZE, err, model_options, out, parse_concurrency, print_json,
+                                   recipes_dir_option, resolve_device_and_mode, run_ending, status, wide_option)
 from optiq.errors import OptiqError
 from optiq.text import visible
 
 
 @click.group(invoke_without_command=True)
 @recipes_dir_option
+@wide_option
 @click.option("--json", "as_json", is_flag=True, help="Print the catalog as one JSON document.")
 @click.pass_context
-def recipes(ctx, recipes_dir, as_json):
+def recipes(ctx, recipes_dir, wide, as_json):
     """List the fusion recipe catalog: what each recipe fixes, where it applies, how it patches, its tolerance."""
     if ctx.invoked_subcommand is not None:
         return
+    from optiq.catalog.recipes import load_catalog  # here: it imports torch, which `recipes --help` does without
+    from optiq.commands.views import Fitted
+
     catalog = load_catalog(recipes_dir)
     if as_json:
         print_json([asdict(r) for r in catalog.values()])
         return
-    table = Table(title=f"optiq recipes ({len(catalog)})")
-    for column in ("recipe", "fixes (role: classes)", "kernels saved/layer", "tried on", "patches", "tolerance"):
-        table.add_column(column, overflow="fold")
-    for r in catalog.values():
-        table.add_row(*map(visible, (r.name, f"{', '.join(r.roles)}: {', '.join(r.op_classes)}",
-                                     r.kernels_saved_per_layer, _where(r), f"{r.patch_kind} {r.target_label}",
-                                     r.tolerance)))
-    out.print(table)
+    rows = [list(map(visible, (r.name, f"{', '.join(r.roles)}: {', '.join(r.op_classes)}", r.kernels_saved_per_layer,
+                               _where(r), f"{r.patch_kind} {r.target_label}", r.tolerance)))
+            for r in catalog.values()]
+    out.print(Fitted(f"optiq recipes ({len(catalog)})", ["recipe", "fixes (role: classes)", "kernels saved/layer",
+                                                         "tried on", "patches", "tolerance"], rows,
+                     numeric=("kernels saved/layer",), optional=("kernels saved/layer", "tolerance", "patches"),
+                     wide=wide))
 
 
 def _where(recipe) -> str:
@@ -51,6 +52,8 @@ def _where(recipe) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the recipe as JSON.")
 def show(name, recipes_dir, as_json):
     """Explain one recipe."""
+    from optiq.catalog.recipes import TOLERANCES, load_catalog
+
     catalog = load_catalog(recipes_dir)
     if name not in catalog:
         raise OptiqError(f"no recipe '{name}'; the catalog has: {', '.join(catalog)}")
@@ -73,8 +76,8 @@ def show(name, recipes_dir, as_json):
 @recipes.command()
 @click.argument("names", nargs=-1)
 @model_options
-@click.option("--concurrency", default=None, help="Batch sizes the gate checks at, comma-separated (default 1,16,64 "
-                                                  "on CUDA, 1,2 on CPU).")
+@click.option("--concurrency", default=None, type=CONCURRENCY,
+              help="Batch sizes the gate checks at, comma-separated (default 1,16,64 on CUDA, 1,2 on CPU).")
 @click.option("--prompt-len", default=None, type=SIZE, help="Prompt tokens (default 512 on CUDA, 16 on CPU).")
 @click.option("--max-len", default=None, type=SIZE, help="The longest context the sites are checked at (default 1024 "
                                                          "on CUDA, 64 on CPU).")
@@ -84,9 +87,10 @@ def show(name, recipes_dir, as_json):
               help="Also gate every mutant of each recipe's kernel and print the mutation score.")
 @recipes_dir_option
 @click.option("--runs-dir", default="runs", show_default=True, help="Where the run directory is created.")
+@wide_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of the table.")
 def verify(names, model_spec, dtype, device, concurrency, prompt_len, max_len, gate_steps, with_mutants, recipes_dir,
-           runs_dir, as_json):
+           runs_dir, wide, as_json):
     """Gate each recipe (all, or NAMES) alone on a model, and with --mutants every mutant of its kernel too.
 
     \b
@@ -98,6 +102,7 @@ def verify(names, model_spec, dtype, device, concurrency, prompt_len, max_len, g
     """
     device, mode = resolve_device_and_mode(device, None)  # first: it picks Triton's interpreter on the CPU
     from optiq.catalog.proposals import named_recipes
+    from optiq.catalog.recipes import load_catalog
     from optiq.commands.views import mutation_table
     from optiq.gate import GatePlan
     from optiq.gate.mutants import verify as verify_recipes
@@ -142,7 +147,7 @@ def verify(names, model_spec, dtype, device, concurrency, prompt_len, max_len, g
     if as_json:
         print_json({"run_dir": str(run.path), **document()})
     else:
-        out.print(mutation_table(results, f"optiq recipes verify · {model_spec} · {args['dtype']}"))
+        out.print(mutation_table(results, f"optiq recipes verify · {model_spec} · {args['dtype']}", wide))
         out.print(f"run directory: {visible(run.path)}")
     survived = sum(len(r.summary().survived) for r in results.values() if not isinstance(r, str))
     rejected = [n for n, r in results.items() if not isinstance(r, str) and r.real != "passed"]

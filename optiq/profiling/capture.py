@@ -4,6 +4,7 @@ trace of the graph replays that are what serving engines actually run."""
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -13,6 +14,10 @@ from optiq.profiling.annotate import annotated, range_
 from optiq.engine import WARMUP_STEPS, opened
 
 PROFILED_STEPS = 4
+# Kineto, torch.profiler's tracer, writes lines of its own to stderr at every start and stop (`USDT:<date> ...
+# profiler_start`), noise among optiq's output. Its least severity shown is KINETO_LOG_LEVEL, read when it first
+# starts; 6 lies past its most severe kind (USDT, 5), so it prints nothing. A level the user set (4: its errors) stays.
+KINETO_QUIET = "6"
 
 
 def capture(model: torch.nn.Module, batch: int, prompt_len: int, max_len: int, mode: str, path: Path,
@@ -33,6 +38,7 @@ def capture(model: torch.nn.Module, batch: int, prompt_len: int, max_len: int, m
         # One profiler warm-up step first: the tracer's own set-up (CUPTI instrumenting a graph on its first launch)
         # lands there, not in the first reported step.
         schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
+        os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
         _synchronize(device)
         with annotated(model, engine) if mode == "eager" else contextlib.nullcontext(), \
                 profile(activities=activities, schedule=schedule,
