@@ -138,6 +138,18 @@ def time_to_optimized(run: RunRecord) -> tuple[float, float | None] | None:
     return timings.patch_s + timings.gate_s + timings.capture_s, warmup
 
 
+def time_to_optimized_text(run: RunRecord) -> str | None:
+    """``time_to_optimized`` as a reader takes it: against compile's warm-up where measured, and named no measure
+    of anything on a smoke run (the interpreter's seconds)."""
+    if (waits := time_to_optimized(run)) is None:
+        return None
+    optimized, warmup = waits
+    text = f"{optimized:.1f} s (patch + gate + capture)"
+    if warmup:
+        text += f"; torch.compile's warm-up {warmup:.1f} s, {optimized / warmup:.2f}x of it"
+    return f"{text} (not meaningful: smoke numbers)" if run.smoke else text
+
+
 def _ok(row: Row | None, key: str):
     """A row's number, "oom" for a point that ran out of memory, None when not measured."""
     if row is None:
@@ -499,10 +511,8 @@ def report_document(run: RunRecord) -> Document:
                       "drawn anew"))
     if fusion.compile_ahead:
         facts.append(("kernels compiled ahead", "; ".join(map(_compiled_ahead, fusion.compile_ahead))))
-    if (waits := time_to_optimized(run)) is not None:
-        optimized, warmup = waits
-        facts.append(("time to optimized", f"{optimized:.1f} s (patch + gate + capture)" + (
-            f"; torch.compile's warm-up {warmup:.1f} s, {optimized / warmup:.2f}x of it" if warmup else "")))
+    if (waited := time_to_optimized_text(run)) is not None:
+        facts.append(("time to optimized", waited))
     before, after = _rows(run, "before"), _rows(run, "after")
     runs = [(f"before ({run.mode})", before, "solid"), (f"after ({run.mode})", after, "solid"),
             ("torch.compile", _rows(run, "before", compiled=True), "dash")]

@@ -56,7 +56,7 @@ def check_decode(model_type: str) -> dict:
 
 
 def _one_line(stderr: str) -> str:
-    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not line.startswith(("USDT", "note:"))]
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not line.startswith("note:")]
     if any(line.startswith("Traceback") for line in lines):
         return "TRACEBACK: " + (lines[-1] if lines else "")
     return lines[-1] if lines else ""

@@ -16,11 +16,19 @@ def analyze(*args):
     return CliRunner().invoke(cli, ["analyze", *map(str, args)])
 
 
+def one_error_line(result) -> str:
+    """The failed run's one error line: the last on stderr, after progress lines only."""
+    lines = result.stderr.splitlines()
+    assert result.exit_code != 0 and lines and lines[-1].startswith("optiq: error: "), result.output
+    assert not any(line.startswith("optiq: error: ") for line in lines[:-1]) and not result.stdout, result.output
+    return lines[-1]
+
+
 def results(*args) -> dict:
     """The JSON document's scopes by their first word pair ("rank 0", "all 2")."""
     result = analyze(*args, "--json")
     assert result.exit_code == 0, result.output
-    return {" ".join(s["scope"].split()[:2]): s for s in json.loads(result.output)["results"]}
+    return {" ".join(s["scope"].split()[:2]): s for s in json.loads(result.stdout)["results"]}
 
 
 # (writer, decode layer, sampling us per step, drafting us per step, step source)
@@ -104,8 +112,8 @@ def test_frontend_trace_is_left_out_with_a_note_and_alone_is_an_error(tmp_path):
     assert result.exit_code == 0, result.output
     assert f"{frontend.name}: a CPU-only frontend trace: left out of the GPU table" in result.output
     alone = analyze(frontend)
-    assert alone.exit_code == 1 and alone.output.count("\n") == 1
-    assert "frontend trace" in alone.output and "worker traces" in alone.output
+    line = one_error_line(alone)
+    assert alone.exit_code == 1 and "frontend trace" in line and "worker traces" in line
 
 
 def test_cpu_only_trace_beside_gpu_ones_is_left_out(tmp_path):
@@ -147,7 +155,7 @@ def test_compare_two_builds_shows_what_moved_in_80_columns(tmp_path):
     assert result.exit_code == 0, result.output
     assert max(len(line) for line in result.output.splitlines()) <= 80
     assert "what moved · by class" in result.output and "what moved · by role" in result.output
-    doc = json.loads(analyze("--compare", *before, *after, "--json").output)["compare"]
+    doc = json.loads(analyze("--compare", *before, *after, "--json").stdout)["compare"]
     rows = {row["class"]: row for row in doc["class"]}
     assert doc["class"][0]["class"] == "grouped_gemm"  # the largest move first
     assert rows["grouped_gemm"]["before_ms_per_step"] == 0
@@ -161,7 +169,7 @@ def test_compare_two_builds_shows_what_moved_in_80_columns(tmp_path):
 def test_compare_with_optiq_own_trace_counts_sampling_on_both_sides(tmp_path):
     from test_analyze_cli import EAGER
     engine = et.vllm_traces(tmp_path, ranks=1, frontend=False)
-    doc = json.loads(analyze("--compare", EAGER, *engine, "--json").output)["compare"]
+    doc = json.loads(analyze("--compare", EAGER, *engine, "--json").stdout)["compare"]
     assert doc["counted_phases"] == ["step", "sampling", "draft"]
     sampling = {row["class"]: row for row in doc["class"]}["sampling"]
     assert sampling["after_ms_per_step"] == pytest.approx((9 + 4) / 1000)  # FlashInfer's sampler and the argmax
@@ -169,9 +177,8 @@ def test_compare_with_optiq_own_trace_counts_sampling_on_both_sides(tmp_path):
 
 def test_misspelt_model_type_is_a_one_line_error_with_close_matches(tmp_path):
     (path,) = et.sglang_traces(tmp_path, ranks=1)
-    result = analyze(path, "--proposals", "lama")
-    assert result.exit_code != 0 and result.output.count("\n") == 1
-    assert "unknown model type 'lama'" in result.output and "llama" in result.output
+    line = one_error_line(analyze(path, "--proposals", "lama"))
+    assert "unknown model type 'lama'" in line and "llama" in line
     assert analyze(path, "--proposals", "llama").exit_code == 0
 
 

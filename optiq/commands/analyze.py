@@ -8,9 +8,8 @@ import textwrap
 from pathlib import Path
 
 import click
-from optiq.catalog.proposals import propose
-from optiq.catalog.recipes import load_catalog
-from optiq.commands.common import SIZE, out, print_json, recipes_dir_option, status
+
+from optiq.commands.common import SIZE, out, print_json, recipes_dir_option, status, wide_option
 from optiq.commands.views import attribution_view, proposals_records, proposals_table
 from optiq.errors import OptiqError
 from optiq.rundir import write_csv
@@ -72,15 +71,14 @@ def align_with_companion(traces: list[Trace], companion: str) -> None:
         align_graph_with_eager(trace, eager)
 
 
-def known_model_type(model_type: str, recipes_dir) -> None:
+def known_model_type(model_type: str, catalog: dict) -> None:
     """Refuse a model type that neither transformers nor a recipe knows (``lama``): proposals for it would be an
     empty table that looks like an answer. Close matches are suggested."""
     if model_type == "any":
         return
     from transformers import CONFIG_MAPPING  # only here: analyze without --proposals never pays for transformers
 
-    known = {*CONFIG_MAPPING.keys(), *(a for r in load_catalog(recipes_dir).values() for a in r.architectures
-                                       if a != "*")}
+    known = {*CONFIG_MAPPING.keys(), *(a for r in catalog.values() for a in r.architectures if a != "*")}
     if model_type not in known:
         close = difflib.get_close_matches(model_type, sorted(known), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else "; 'any' ranks every recipe"
@@ -155,7 +153,8 @@ def run_compare(before_paths: list[str], after_paths: list[str], top: int, as_js
 @click.option("--proposals", "model_type", default=None, metavar="MODEL_TYPE",
               help="Also rank the recipes that apply to this transformers model type (llama, qwen3, ...; any = all).")
 @recipes_dir_option
-def analyze(traces, by, eager_companion, before, top, as_json, csv_path, model_type, recipes_dir):
+@wide_option
+def analyze(traces, by, eager_companion, before, top, as_json, csv_path, model_type, recipes_dir, wide):
     """Attribute the GPU time of traces captured elsewhere: torch.profiler exports, vLLM (*.pt.trace.json.gz) and
     SGLang (*-TP-*.trace.json.gz, merged-*.trace.json.gz), .json or .json.gz.
 
@@ -165,8 +164,12 @@ def analyze(traces, by, eager_companion, before, top, as_json, csv_path, model_t
     annotations (forward and sampling), else vLLM's or SGLang's decode markers (the forward; their sampling and
     drafting are shown apart), else the whole trace is one step. --compare BEFORE AFTER shows what moved.
     """
+    catalog = {}
     if model_type:
-        known_model_type(model_type, recipes_dir)
+        from optiq.catalog.recipes import load_catalog  # the catalog imports the patching, so torch: only here
+
+        catalog = load_catalog(recipes_dir)
+        known_model_type(model_type, catalog)
     if before:
         given = [flag for flag, value in (("--eager-companion", eager_companion), ("--csv", csv_path),
                                           ("--proposals", model_type)) if value]
@@ -188,7 +191,8 @@ def analyze(traces, by, eager_companion, before, top, as_json, csv_path, model_t
 
     proposals = {}
     if model_type:
-        catalog = load_catalog(recipes_dir)
+        from optiq.catalog.proposals import propose
+
         wanted = None if model_type == "any" else model_type
         proposals = {title: propose(catalog, weighted_kernels(ts), wanted) for title, ts, _ in results}
     if csv_path:
@@ -201,9 +205,9 @@ def analyze(traces, by, eager_companion, before, top, as_json, csv_path, model_t
                                  for title, ts, a in results]})
         return
     for title, _, attribution in results:
-        out.print(attribution_view(attribution, f"{title} · by {by}"))
+        out.print(attribution_view(attribution, f"{title} · by {by}", wide))
         out.print(step_line(attribution))
         for note in attribution.notes:
             out.print(f"  note: {visible(note)}")
         if proposals:
-            out.print(proposals_table(proposals[title], f"proposals · {title}"))
+            out.print(proposals_table(proposals[title], f"proposals · {title}", wide))

@@ -192,11 +192,8 @@ def fusion_summary(record: RunRecord) -> str:
                      f"teacher-forced steps at C={', '.join(str(e.concurrency) for e in checks)} (logits rel err up "
                      f"to {max(e.rel_err for e in checks):.2e}, bound {min(e.bound for e in checks):.2e}; top-1 "
                      f"agreement at least {min(e.top1 for e in checks):.3f})")
-    wait = report.time_to_optimized(record)
-    if wait is not None:
-        optimized, warmup = wait
-        lines.append(f"time to optimized {optimized:.1f} s (patch + gate + capture)" + (
-            f"; torch.compile's warm-up {warmup:.1f} s, {optimized / warmup:.2f}x of it" if warmup else ""))
+    if (waited := report.time_to_optimized_text(record)) is not None:
+        lines.append(f"time to optimized {waited}")
     return "\n".join(lines)
 
 

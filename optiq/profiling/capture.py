@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from optiq.profiling.annotate import annotated, range_
 from optiq.engine import WARMUP_STEPS, opened
+from optiq.measure.timing import fixed_threads
 
 PROFILED_STEPS = 4
 # Kineto, torch.profiler's tracer, writes lines of its own to stderr at every start and stop (`USDT:<date> ...
@@ -62,12 +63,15 @@ def _synchronize(device: torch.device) -> None:
 def profile_step(model: torch.nn.Module, batch: int, prompt_len: int, max_len: int, mode: str, directory: Path,
                  steps: int = PROFILED_STEPS, tag: str = ""):
     """Capture and read the traces of one concurrency: the annotated eager step, and in graph mode the replay with
-    its kernels aligned to the eager step's. Returns the trace of what is timed (the replay in graph mode)."""
+    its kernels aligned to the eager step's. Returns the trace of what is timed (the replay in graph mode). On the
+    CPU the step runs on the threads it is timed on (``fixed_threads``), so its profile adds up to the timed step."""
     from optiq.traces.attribution import align_graph_with_eager
     from optiq.traces.reader import read_trace
 
-    paths = {m: capture(model, batch, prompt_len, max_len, m, directory / f"trace_{tag}{m}_C{batch}.json.gz", steps)
-             for m in dict.fromkeys(("eager", mode))}
+    device = next(model.parameters()).device
+    with fixed_threads(device):
+        paths = {m: capture(model, batch, prompt_len, max_len, m, directory / f"trace_{tag}{m}_C{batch}.json.gz",
+                            steps) for m in dict.fromkeys(("eager", mode))}
     timed = eager = read_trace(paths["eager"])
     if mode == "graph":
         timed = read_trace(paths["graph"])
