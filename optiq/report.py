@@ -25,6 +25,7 @@ STACK_CLASSES = 8  # op classes drawn in the stacked bars; the rest are summed a
 REST = "the rest"  # not "other", which is an op class of its own
 FLOOR_REACH = 1.0  # decades beyond the measured values a plot's axis stretches to show the bandwidth floor
 NOT_MEANINGFUL = "not meaningful"
+RATIO_NOT_MEANINGFUL = "n/m"  # a ratio's cell on a smoke run: what it divides says nothing of a GPU
 
 
 @dataclass
@@ -274,17 +275,18 @@ def _throughput_title(*runs: RunRecord) -> str:
 def headline_table(run: RunRecord) -> Table:
     """Throughput per concurrency; on a smoke run the speed-up is labelled not meaningful where it stands, so a
     0.03x of interpreted kernels is never read as a result."""
+    def ratio(value, *spec):
+        return RATIO_NOT_MEANINGFUL if run.smoke and value is not None else _fmt(value, *spec)
+
     rows = [[str(h["concurrency"]), _fmt(h["before_tok_per_s"]), _fmt(h["after_tok_per_s"]),
-             _fmt(h["speedup"], ".2f", "×"), _fmt(h["compile_tok_per_s"]), _fmt(h["after_vs_compile"], ".2f", "×"),
-             _fmt(h["floor_tok_per_s"]), _fmt(h["after_pct_of_floor"])] for h in headline(run)]
+             ratio(h["speedup"], ".2f", "×"), _fmt(h["compile_tok_per_s"]), ratio(h["after_vs_compile"], ".2f", "×"),
+             _fmt(h["floor_tok_per_s"]), ratio(h["after_pct_of_floor"])] for h in headline(run)]
     note = "speed-up = after / before; floor = the bytes a step must read over the copy bandwidth"
     if run.smoke:
-        note = (f"smoke numbers ({_smoke_cause(run)}): the speed-up, after / compile and % of floor are "
-                f"{NOT_MEANINGFUL}; {note}")
-    return Table(_throughput_title(run), ["C", "before tok/s", "after tok/s",
-                                          f"speed-up ({NOT_MEANINGFUL})" if run.smoke else "speed-up",
-                                          "torch.compile tok/s", "after / compile", "floor tok/s", "after % of floor"],
-                 rows, note)
+        note = (f"{RATIO_NOT_MEANINGFUL} = {NOT_MEANINGFUL}: smoke numbers ({_smoke_cause(run)}), so the speed-up, "
+                f"after / compile and % of floor say nothing; {note}")
+    return Table(_throughput_title(run), ["C", "before tok/s", "after tok/s", "speed-up", "torch.compile tok/s",
+                                          "after / compile", "floor tok/s", "after % of floor"], rows, note)
 
 
 def gated_parameters(run: RunRecord) -> str:

@@ -50,9 +50,9 @@ def assert_wide_shows_every_column(fitted: views.Fitted) -> None:
     assert all(column in header for column in fitted.columns)
 
 
-def record_on(device: str):
+def record_on(kind: str):
     doc = h200_report()
-    doc["environment"]["device"] = device
+    doc["environment"].update(device=kind if kind == "cpu" else doc["environment"]["device"], kind=kind)
     return from_json(doc)
 
 
@@ -71,14 +71,14 @@ def rows() -> list[Row]:
 @pytest.mark.parametrize("table", ["attribution", "proposals", "results", "gate", "headline", "end to end",
                                    "compare", "mutants"])
 def test_every_table_fits_80_columns_and_wide_shows_every_column(table):
-    record = record_on("NVIDIA H200")
+    record = record_on("cuda")
     fitted = {
         "attribution": lambda: views.attribution_view(attribute([read_trace(DATA / "gpu_eager.json.gz")], "class"),
                                                       "llama · C=64 · eager · by class"),
         "proposals": lambda: views.proposals_table(proposals(), "proposals · C=64"),
         "results": lambda: views.results_table(rows(), "llama-3.1-8b · bf16", interpreted={"optiq+graph"}),
         "gate": lambda: views.rich_table(report.gate_table(record)),
-        "headline": lambda: views.headline_view(record, interpreted=True),
+        "headline": lambda: views.headline_view(record),
         "end to end": lambda: views.rich_table(report.end_to_end_table(record)),
         "compare": lambda: views.rich_table(report.compare_document(record, record, "a", "b").tables[0]),
         "mutants": lambda: views.mutation_table({"rope": "no site in the model for its module patch of rotary "
@@ -89,7 +89,7 @@ def test_every_table_fits_80_columns_and_wide_shows_every_column(table):
 
 
 def test_numbers_are_never_cut_or_split_only_names_are():
-    gate = views.rich_table(report.gate_table(record_on("NVIDIA H200")))
+    gate = views.rich_table(report.gate_table(record_on("cuda")))
     text = "\n".join(assert_fits(gate))
     for row in gate.rows:
         assert row[0].plain in text  # the recipe names whole
@@ -110,9 +110,8 @@ def test_the_recipes_catalog_fits_80_columns(monkeypatch):
 
 
 def test_the_cpu_headline_shows_its_ratios_as_not_meaningful():
-    record = record_on("cpu")
-    cpu = "\n".join(rendered(views.headline_view(record, interpreted=True)))
-    gpu = "\n".join(rendered(views.headline_view(record, interpreted=False)))
+    cpu = "\n".join(rendered(views.headline_view(record_on("cpu"))))
+    gpu = "\n".join(rendered(views.headline_view(record_on("cuda"))))
     assert "×" not in cpu and "n/m" in cpu and "not meaningful" in cpu
     assert "×" in gpu and "n/m" not in gpu
     results = "\n".join(rendered(views.results_table(rows(), "t", interpreted={"optiq+graph"}), 200))

@@ -51,7 +51,7 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
     else:
         out.print(fusion_summary(record))
         out.print(rich_table(gate_table(record), wide))
-        out.print(headline_view(record, interpreted=note is not None, wide=wide))
+        out.print(headline_view(record, wide))
         if note:
             out.print(f"note: {note}")
         page = next((p for p in written.paths if p.suffix == ".html"), None)

@@ -24,7 +24,7 @@ from optiq.text import visible
 if TYPE_CHECKING:
     from optiq.traces.attribution import Attribution
 
-NOT_MEANINGFUL = "n/m"  # a ratio shown in its place where the numbers it divides mean nothing (interpreted kernels)
+NOT_MEANINGFUL = report.RATIO_NOT_MEANINGFUL  # a ratio's cell where what it divides means nothing (interpreted kernels)
 CUT_TEXT = 20  # a text column is cut no narrower than this (or its header), so a cut name still says which it is
 EMPTY = ("", "—")
 
@@ -139,18 +139,9 @@ def rich_table(table: report.Table, wide: bool = False) -> Fitted:
                   numeric=numeric, optional=REPORT_MINOR, caption=visible(table.note) or None, wide=wide)
 
 
-def headline_view(record: RunRecord, interpreted: bool, wide: bool = False) -> Fitted:
-    """apply-fusion's throughput table; with ``interpreted`` (a CPU run, the fused kernels under Triton's
-    interpreter) its ratios are shown as n/m, not as the slowdown the interpreter makes of them."""
-    table = report.headline_table(record)
-    if interpreted:
-        ratios = [i for i, column in enumerate(table.columns) if column in ("speed-up", "after / compile")]
-        rows = [[NOT_MEANINGFUL if i in ratios and cell not in EMPTY else cell for i, cell in enumerate(row)]
-                for row in table.rows]
-        table = report.Table(table.title, table.columns, rows,
-                             f"{table.note}; {NOT_MEANINGFUL} = not meaningful: the fused kernels ran under Triton's "
-                             f"interpreter on the CPU")
-    return rich_table(table, wide)
+def headline_view(record: RunRecord, wide: bool = False) -> Fitted:
+    """apply-fusion's throughput table (its ratios n/m on a smoke run: report.headline_table)."""
+    return rich_table(report.headline_table(record), wide)
 
 
 def results_table(rows: list[Row], title: str, wide: bool = False, interpreted: Collection[str] = ()) -> Fitted:
