@@ -6,6 +6,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from cli_lines import error_line
 from data import engine_traces as et
 from optiq.cli import cli
 from optiq.traces.op_classes import class_of_kernel
@@ -17,11 +18,9 @@ def analyze(*args):
 
 
 def one_error_line(result) -> str:
-    """The failed run's one error line: the last on stderr, after progress lines only."""
-    lines = result.stderr.splitlines()
-    assert result.exit_code != 0 and lines and lines[-1].startswith("optiq: error: "), result.output
-    assert not any(line.startswith("optiq: error: ") for line in lines[:-1]) and not result.stdout, result.output
-    return lines[-1]
+    """The failed run's one error line, and nothing on stdout."""
+    assert result.exit_code != 0 and not result.stdout, result.output
+    return error_line(result.stderr)
 
 
 def results(*args) -> dict:

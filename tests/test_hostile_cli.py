@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from cli_lines import error_line
 from rich.console import Console
 
 from optiq import report
@@ -48,11 +49,9 @@ def invoke(*args, **env):
 def assert_one_line_error(result, code=1):
     """The error is one line, the last; before it stderr (no terminal under CliRunner) holds progress lines only."""
     assert result.exit_code == code, (result.exit_code, result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert lines and lines[-1].startswith("optiq: error: "), result.stderr
-    assert all(line.startswith("optiq: ") and not line.startswith("optiq: error: ") for line in lines[:-1])
+    line = error_line(result.stderr)
     assert "Traceback" not in result.output and not isinstance(result.exception, (OptiqError, ValueError))
-    return lines[-1]
+    return line
 
 
 def shown(renderable, width: int = 100_000) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_lines import error_line
 
 from optiq.errors import OptiqError
 from optiq.traces.attribution import _in_order_pairs, attribute, step_stats
@@ -33,11 +34,10 @@ def optiq_capped(*args, timeout=60, memory=CAP, **env_vars):
 
 
 def assert_clean_failure(result, message):
-    """Exit 1, the message on one line, no traceback."""
+    """Exit 1, the message on one line (after progress lines only), no traceback."""
     assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
     assert "Traceback" not in result.stderr + result.stdout, result.stderr[-2000:]
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+    assert message in error_line(result.stderr), result.stderr[-2000:]
 
 
 def write_gz(path: Path, *parts: bytes) -> Path:
