@@ -48,3 +48,13 @@ def test_bandwidth_is_measured_once_and_cached(tmp_path, monkeypatch):
     cached = json.loads((tmp_path / "bandwidth.json").read_text())
     assert cached[roofline.device_name(device)] == first
     assert roofline.copy_bandwidth(device) == first
+
+
+def test_deepseek_v4_kv_bytes_count_the_window_and_the_compressed_entries_attended():
+    """tiny-deepseek-v4 at 41 positions: every layer its one shared key-value head over the 8-position window; the
+    heavily compressed layer (one entry per 4 positions) all 10 entries; the compressed-sparse one (per 2) the 4 its
+    indexer keeps, and all 20 entries' 16-wide indexer keys."""
+    model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
+    window = 8 * 32
+    elements = (window + 10 * 32) + (window + 4 * 32 + 20 * 16) + window
+    assert roofline.kv_bytes_per_step(model, 3, 41) == 3 * elements * 4

@@ -93,11 +93,31 @@ def cache_layout(config) -> tuple[int, int, int] | None:
     return config_value(config, "num_key_value_heads") or heads, head_dim, head_dim
 
 
+def _compressed_layer_elements(config, kind: str, length: float, rates: dict) -> float:
+    """Cache elements one sequence's layer of DeepSeek-V4 reads at ``length`` positions: its one key-and-value head
+    over the sliding window; a heavily compressed layer every compressed entry (one per ``rate`` positions) too; a
+    compressed-sparse one the ``index_topk`` entries its indexer picks, and every entry's indexer key to pick them."""
+    elements = min(length, config.sliding_window) * config.head_dim
+    rate = rates.get(kind)
+    if not rate:
+        return elements
+    entries = length // rate
+    if kind == "compressed_sparse_attention":
+        return elements + min(entries, config.index_topk) * config.head_dim + entries * config.index_head_dim
+    return elements + entries * config.head_dim
+
+
 def kv_bytes_per_step(model: torch.nn.Module, batch: int, length: float) -> float:
     """KV-cache bytes attention must read when each of ``batch`` sequences holds ``length`` positions: a sliding
-    layer reads its window only, a layer that is not attention nothing. Where the widths are unknown, 0 (the floor
-    is then the weights', still a bound no step beats)."""
+    layer reads its window only, a layer that is not attention nothing, a compressed layer (DeepSeek-V4) its window
+    and the compressed entries it attends to (``_compressed_layer_elements``). Where the widths are unknown, 0 (the
+    floor is then the weights', still a bound no step beats)."""
     config = model.config.get_text_config(decoder=True)
+    element = next(model.parameters()).element_size()
+    rates = config_value(config, "compress_rates")
+    if rates:
+        return batch * element * sum(_compressed_layer_elements(config, kind, length, rates)
+                                     for kind in config.layer_types)
     layout = cache_layout(config)
     if layout is None:
         return 0.0
@@ -106,7 +126,6 @@ def kv_bytes_per_step(model: torch.nn.Module, batch: int, length: float) -> floa
     window = config_value(config, "sliding_window") or length
     positions = sum(min(length, window) if kind == "sliding_attention" else length
                     for kind in types if kind in ATTENTION_LAYER_TYPES)
-    element = next(model.parameters()).element_size()
     return batch * heads * (key_width + value_width) * positions * element
 
 
