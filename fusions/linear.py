@@ -19,9 +19,9 @@ from optiq.fusions.gate_up_swiglu import fp32_dot, stream_dot
 from optiq.fusions.launch import launch_options, multiprocessor_count, wait_for_predecessor
 
 DECODE_ROWS = 16  # rows up to which the streaming kernel is used
-BLOCK_M = 16  # the smallest M of a tensor-core dot
+MAX_BLOCK_M = 64  # the kernel's largest M tile: every row of x in one tile, so W is read once
 TILE_GRID = [dict(BLOCK_N=n, BLOCK_K=k, num_stages=s, num_warps=w)
-             for n in (16, 32) for k in (256, 512) for s in (3, 4) for w in (4, 8)]
+             for n in (16, 32) for k in (128, 256, 512) for s in (3, 4) for w in (4, 8)]
 
 
 @triton.jit
@@ -56,8 +56,10 @@ def tile_config(n: int, k: int, device: torch.device, rows: int = 1) -> dict:
     llama-3.1-8b's 192 QKV programs then took 19.0 us, not 14.8). Phi-3's 3072 columns took 16 columns a program up
     to session 14, which left its o_proj and down_proj a third slower."""
     block_n = 32 if n >= 2048 or rows > 8 else 16
+    if rows > 16:  # a 64-row x tile: K tiles of 128 keep three stages within shared memory
+        return dict(BLOCK_M=MAX_BLOCK_M, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=3)
     wide_k = k >= 4 * 512 and triton.cdiv(n, block_n) <= multiprocessor_count(device)
-    return dict(BLOCK_N=block_n, BLOCK_K=512 if wide_k else 256, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=512 if wide_k else 256, num_warps=4, num_stages=4)
 
 
 def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -80,7 +82,7 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     torch.library.wrap_triton(_linear_kernel)[(triton.cdiv(n, config["BLOCK_N"]),)](
         x2d, weight, bias if bias is not None else weight, r2d, out2d, rows, n, k,
         *x2d.stride(), *weight.stride(), *r2d.stride(), *out2d.stride(),
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=BLOCK_M, FP32_DOT=fp32_dot(x.dtype),
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, FP32_DOT=fp32_dot(x.dtype),
         **config, **launch_options(x),
     )
     return out

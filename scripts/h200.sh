@@ -9,7 +9,8 @@
 #                  table in one run (PEERS defaults to eager,compile; PEERS=compile leaves out HF eager; ROW_C
 #                  sets the concurrencies, 1,16,64 by default)
 #   bench:F[,F]    scripts/bench_fusions.py for those fusions (e.g. bench:moe_experts,mla_decode) into $OUT
-#   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear) under fixed tile configs against its heuristic
+#   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear) under fixed tile configs against its heuristic,
+#                  at TILES_ROWS rows (default 1,16,64)
 #   gpu-tests:F[,F]  the GPU tests of those fusions only
 #   pytest:T[,T]   those test files (paths under tests/), GPU tests included
 #   verify:MODEL   optiq recipes verify --mutants --model MODEL at W1's gate (C=${VERIFY_C:-1,16,64}, prompt 512,
@@ -64,7 +65,8 @@ for stage in "$@"; do
              tests/test_validation.py::test_graph_mode_gate_checks_the_captured_patched_model 2>&1 | tee -a $OUT/log.txt ;;
     apply:*) timeout "$(limit "$STAGE_S")" python3 -m optiq apply-fusion --model "${stage#apply:}" --recipes auto \
                ${COMPARE:+--compare "$COMPARE"} --runs-dir "$OUT/runs/${stage#apply:}-apply" 2>&1 | tee -a $OUT/log.txt ;;
-    tiles:*) timeout "$(limit 300)" python3 scripts/tiles.py "${stage#tiles:}" "$OUT/tiles_${stage#tiles:}.json" 2>&1 \
+    tiles:*) timeout "$(limit 300)" python3 scripts/tiles.py "${stage#tiles:}" "$OUT/tiles_${stage#tiles:}.json" \
+               "${TILES_ROWS:-1,16,64}" 2>&1 \
                | tee -a $OUT/log.txt ;;
     gpu-tests:*) names=${stage#gpu-tests:}
                  timeout "$(limit 300)" python3 -m pytest -q -p no:cacheprovider -k "not _cpu" \

@@ -1,7 +1,8 @@
 """Time a fusion under the fixed tile configs of its TILE_GRID against its shape heuristic (tile_config), at decode
 row counts of its benchmark cases, on a GPU: which tiles keep HBM busiest with few rows (and the eager path
 it replaces, timed the same way).
-Usage: python scripts/tiles.py FUSION OUT.json   (FUSION: moe_experts, linear)"""
+Usage: python scripts/tiles.py FUSION OUT.json [ROWS]   (FUSION: moe_experts, linear; ROWS e.g. 1,16,64, the
+default). A config the GPU cannot run (too much shared memory) is reported and skipped."""
 
 import importlib
 import json
@@ -13,18 +14,24 @@ import triton
 from optiq.measure.roofline import copy_bandwidth
 
 
-def main(name: str, out_path: str) -> None:
+def main(name: str, out_path: str, rows_list: str = "1,16,64") -> None:
     module = importlib.import_module(f"optiq.fusions.{name}")
     heuristic = module.tile_config
+    if hasattr(module, "MAX_BLOCK_M"):  # past DECODE_ROWS the fusion hands over to cuBLAS: time the kernel itself
+        module.DECODE_ROWS = module.MAX_BLOCK_M
     bandwidth = copy_bandwidth(torch.device("cuda"))  # measured here, as bench_fusions.py does
     results = []
-    for rows in (1, 16, 64):
+    for rows in map(int, rows_list.split(",")):
         cases = module.benchmark_case(rows, torch.bfloat16, torch.device("cuda"))
         for label, case in ([(name, cases)] if "fused" in cases else cases.items()):
             for config in [None, *module.TILE_GRID]:
                 module.tile_config = heuristic if config is None else (
                     lambda *shape, config=config: {**heuristic(*shape), **config})
-                ms = triton.testing.do_bench_cudagraph(case["fused"], rep=50, return_mode="median")
+                try:
+                    ms = triton.testing.do_bench_cudagraph(case["fused"], rep=50, return_mode="median")
+                except Exception as exc:  # noqa: BLE001 - e.g. triton's OutOfResources for a too-large tile
+                    print(f"{label:28} rows {rows:3d} {str(config):45} skipped: {str(exc).splitlines()[0]}")
+                    continue
                 roof = case["bytes"] / (ms * 1e-3) / bandwidth
                 results.append({"case": label, "rows": rows, "config": config or "heuristic", "us": ms * 1e3,
                                 "roof": roof})
