@@ -56,7 +56,9 @@ def tile_config(n: int, k: int, device: torch.device, rows: int = 1) -> dict:
     llama-3.1-8b's 192 QKV programs then took 19.0 us, not 14.8). Phi-3's 3072 columns took 16 columns a program up
     to session 14, which left its o_proj and down_proj a third slower."""
     block_n = 32 if n >= 2048 or rows > 8 else 16
-    if rows > 16:  # a 64-row x tile: K tiles of 128 keep three stages within shared memory
+    # Past 16 rows (which the product hands to cuBLAS; scripts/tiles.py times the kernel there, to find where it
+    # should take over): one 64-row x tile, whose K tiles of 128 keep three stages within shared memory
+    if rows > 16:
         return dict(BLOCK_M=MAX_BLOCK_M, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=3)
     wide_k = k >= 4 * 512 and triton.cdiv(n, block_n) <= multiprocessor_count(device)
     return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=512 if wide_k else 256, num_warps=4, num_stages=4)

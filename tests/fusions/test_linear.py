@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optiq.fusions.linear import DECODE_ROWS, PROJECTIONS, benchmark_case, linear
+from optiq.fusions import linear as linear_module
+from optiq.fusions.linear import DECODE_ROWS, MAX_BLOCK_M, PROJECTIONS, benchmark_case, linear
 from kernel_testing import OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -60,6 +61,19 @@ def test_the_comparison_can_fail(request):
     x, weight, bias = make_inputs(seed_of(request), (3,), 96, 40, torch.float32, SMALL_DEVICE, bias=True)
     with pytest.raises(AssertionError):
         check(x, weight, bias, kernel=lambda x, weight, bias: linear(x[:, :-1], weight[:, :-1], bias))
+
+
+@pytest.mark.parametrize("rows", [DECODE_ROWS + 1, 40, MAX_BLOCK_M])
+def test_the_kernel_takes_up_to_its_largest_m_tile(request, monkeypatch, rows):
+    """Past DECODE_ROWS the product hands over to cuBLAS, but the kernel itself (which scripts/tiles.py times there)
+    computes every row of its one 64-row tile, bias and residual included."""
+    monkeypatch.setattr(linear_module, "DECODE_ROWS", MAX_BLOCK_M)
+    x, weight, bias = make_inputs(seed_of(request), (rows,), 300, 40, torch.float32, SMALL_DEVICE, True)
+    residual = torch.randn(rows, 40, generator=torch.Generator().manual_seed(rows)).to(SMALL_DEVICE)
+    got = linear(x, weight, bias, residual)
+    assert not torch.equal(got, F.linear(x, weight, bias) + residual)  # not cuBLAS's result: the kernel's
+    want = F.linear(x.double(), weight.double(), bias.double()) + residual.double()
+    torch.testing.assert_close(got.double(), want, rtol=TOLERANCES[torch.float32], atol=TOLERANCES[torch.float32])
 
 
 def test_prefill_rows_are_cublas_s(request):
