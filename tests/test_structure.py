@@ -244,3 +244,14 @@ def test_hyper_connection_recipe_is_kept_and_its_wrong_kernels_rolled_back(tmp_p
         report = validate(patches, plan)
         assert report.rolled_back == ["wrong"] and "error" in report.recipes["wrong"].reason, (fusion, report)
         assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_a_site_the_gate_cannot_replay_rolls_its_recipe_back():
+    """DeepSeek-V4's attention appends its compressed entries after the mask the attention interface was built for,
+    so decode_attention's recorded call cannot be replayed through the model's own path: the recipe is rolled back
+    with that reason, and the run goes on (it was a traceback)."""
+    model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
+    report = validate(apply(model, [load_catalog()["decode_attention"]]), GatePlan((2,), steps=3, prompt_len=9))
+    assert report.rolled_back == ["decode_attention"], report
+    assert "fails when replayed on its captured inputs" in report.recipes["decode_attention"].reason
+    assert all("forward" not in vars(m) for m in model.modules())
