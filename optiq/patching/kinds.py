@@ -13,6 +13,7 @@ whatever one raises (a ValueError too) fails the recipe instead (``Patches.faile
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -97,11 +98,23 @@ class Function(PatchKind):
             namespaces = sorted({sys.modules[type(m).__module__] for m in model.modules()}, key=lambda ns: ns.__name__)
         found = []
         for namespace in (ns for ns in namespaces if callable(vars(ns).get(name))):
-            original = vars(namespace)[name]
+            original = _plain_function(vars(namespace)[name])
             label = f"{namespace.__name__}.{name}"
             found.append(Site(label, original, run(f"patch.with on {label}", factory, original, fusion),
                               lambda fn, namespace=namespace: set_attribute(namespace, name, fn)))
         return found
+
+
+def _plain_function(value: Any) -> Any:
+    """The function itself where the ``kernels`` package (a dependency of transformers from 5.25) turned a modeling
+    module's function into an nn.Module instance that calls it (its class's forward closes over the function), so
+    that a factory reads the function's own signature; any other value as it is."""
+    import torch
+
+    forward = getattr(type(value), "forward", None) if isinstance(value, torch.nn.Module) else None
+    wrapped = [cell.cell_contents for cell in getattr(forward, "__closure__", None) or ()
+               if inspect.isfunction(cell.cell_contents)]
+    return wrapped[0] if len(wrapped) == 1 else value
 
 
 class AttentionInterface(PatchKind):
