@@ -347,8 +347,13 @@ def check_weights(path: Path, config) -> None:
 def constant_parameters(model: torch.nn.Module) -> list[str]:
     """The names of the parameters whose elements are all one value (initialisation's ones and zeros); a parameter
     of one element (mHC's scales) when it holds exactly 0 or 1."""
-    return [name for name, param in model.named_parameters() if bool((param == param.flatten()[0]).all())
+    return [name for name, param in model.named_parameters() if _is_constant(param)
             and (param.numel() > 1 or param.item() in (0.0, 1.0))]
+
+
+def _is_constant(tensor: torch.Tensor) -> bool:
+    """Every element one value (an empty tensor holds none)."""
+    return tensor.numel() > 0 and bool((tensor == tensor.flatten()[0]).all())
 
 
 @torch.no_grad()
@@ -385,7 +390,7 @@ def draw_routing_tables(model: torch.nn.Module, seed: int = SEED) -> list[str]:
     generator = torch.Generator().manual_seed(seed)
     drawn = []
     for name, buffer in model.named_buffers():
-        if buffer.numel() == 0 or not bool((buffer == buffer.flatten()[0]).all()):
+        if not _is_constant(buffer):
             continue
         if not buffer.is_floating_point() and tuple(buffer.shape) == (vocab, per_token):
             value = torch.rand(vocab, experts, generator=generator).argsort(dim=1)[:, :per_token]
