@@ -47,6 +47,11 @@ class CallErrors:
     exact_match: bool  # every fused run bitwise equal to the unfused path (for ``exact``)
     failed: str = ""  # how the fused path failed to compute at all: "the fused path raised ...", "... returned ..."
 
+    @classmethod
+    def failure(cls, label: str, failed: str) -> CallErrors:
+        """A call where a path failed to compute at all: no error to measure, an infinite one for the fused path."""
+        return cls(label, math.nan, [math.inf], 0.0, False, failed)
+
     @property
     def err_fused(self) -> float:
         """The worst run's error; nan if any run's is (``max`` would keep the other, whatever its order)."""
@@ -91,24 +96,21 @@ def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], whe
                     except torch.OutOfMemoryError:
                         raise
                     except Exception as exc:  # noqa: BLE001 - a site the patch kind cannot replay: nothing to check
-                        return CallErrors(label, math.nan, [math.inf], 0.0, False,
-                                          f"the site's own path fails when replayed on its captured inputs "
-                                          f"({describe(exc)}), so the gate cannot check it"), []
+                        return CallErrors.failure(label, f"the site's own path fails when replayed on its captured "
+                                                         f"inputs ({describe(exc)}), so the gate cannot check it"), []
                     allowed = call_deadline(device_type, time.perf_counter() - started)
                     try:
                         with deadline(allowed):
                             runs = [tensors(fused(*fresh(args), **fresh(kwargs))) for _ in range(2)]
                         problem = next(filter(None, (unlike(r, unfused) for r in runs)), "")
                         if problem:
-                            return CallErrors(label, math.nan, [math.inf], 0.0, False,
-                                              f"the fused path {problem}"), want
+                            return CallErrors.failure(label, f"the fused path {problem}"), want
                         err_unfused = error(unfused, want)
                         exact_match = all(error(r, unfused) == 0.0 and all(torch.equal(x, y)
                                                                            for x, y in zip(r, unfused)) for r in runs)
                         err_runs = [error(r, want) for r in runs]
                     except FAILURES as exc:  # a user's kernel may fail in any way; the recipe fails, the run goes on
-                        return CallErrors(label, math.nan, [math.inf], 0.0, False,
-                                          f"the fused path {describe(exc)}"), want
+                        return CallErrors.failure(label, f"the fused path {describe(exc)}"), want
                     bound = site_bound(tolerance, err_unfused)
                     return CallErrors(label, err_unfused, err_runs, bound, exact_match), want
 
