@@ -32,6 +32,15 @@ def multiprocessor_count(device: torch.device) -> int:
     return 4
 
 
+@functools.lru_cache(maxsize=None)
+def shared_memory_per_multiprocessor(device: torch.device) -> int:
+    """Bytes of shared memory the programs resident on one SM share; elsewhere the H200's 228 KiB, so the interpreter
+    takes the tiles a Hopper GPU would."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
+    return 228 * 1024
+
+
 def enabled(tensor: torch.Tensor) -> bool:
     """Whether a kernel launched on ``tensor`` (a plain CUDA tensor: not one torch.compile traces with) uses PDL."""
     return (type(tensor) is torch.Tensor and tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from optiq.fusions.gate_up_swiglu import fp32_dot, stream_dot
-from optiq.fusions.launch import launch_options, multiprocessor_count, wait_for_predecessor
+from optiq.fusions.launch import (launch_options, multiprocessor_count, shared_memory_per_multiprocessor,
+                                 wait_for_predecessor)
 
 DECODE_ROWS = 16  # rows up to which the streaming kernel is used
 MAX_BLOCK_M = 64  # the kernel's largest M tile: every row of x in one tile, so W is read once
@@ -48,20 +49,28 @@ def _linear_kernel(
              mask=mask)
 
 
-def tile_config(n: int, k: int, device: torch.device, rows: int = 1) -> dict:
+def tile_config(n: int, k: int, device: torch.device, rows: int = 1, itemsize: int = 2) -> dict:
     """Tiles from the shapes, as measured on the H200 (scripts/tiles.py linear, 4 warps always ahead of 8): 32 output
     columns per program from 2048 columns up, or past 8 rows (where x's re-reads through L2 count), else 16, so that
-    a 1024-column projection still spreads over 64 SMs at one row; K tiles of 512 when every program has an SM of its
-    own and K spans four tiles or more, else 256 (at four stages a 512-wide tile leaves room for one program per SM:
-    llama-3.1-8b's 192 QKV programs then took 19.0 us, not 14.8). Phi-3's 3072 columns took 16 columns a program up
-    to session 14, which left its o_proj and down_proj a third slower."""
+    a 1024-column projection still spreads over 64 SMs at one row. K tiles of 512 when every program has an SM of its
+    own and K spans four tiles or more; of 128 when the programs fill more than one SM each and their 256-wide stages
+    would not all fit in shared memory at once, but 128-wide ones do (Phi-3's QKV: three programs an SM), so no
+    program waits for a second wave; else 256 (an LM head's thousands of programs run in waves whatever the tile).
+    Phi-3's 3072 columns took 16 columns a program up to session 14, which left its o_proj and down_proj a third
+    slower."""
     block_n = 32 if n >= 2048 or rows > 8 else 16
     # Past 16 rows (which the product hands to cuBLAS; scripts/tiles.py times the kernel there, to find where it
     # should take over): one 64-row x tile, whose K tiles of 128 keep three stages within shared memory
     if rows > 16:
         return dict(BLOCK_M=MAX_BLOCK_M, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=3)
-    wide_k = k >= 4 * 512 and triton.cdiv(n, block_n) <= multiprocessor_count(device)
-    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=512 if wide_k else 256, num_warps=4, num_stages=4)
+    stages = 4
+    per_sm = triton.cdiv(triton.cdiv(n, block_n), multiprocessor_count(device))  # programs an SM holds in one wave
+
+    def resident(block_k: int) -> bool:
+        return per_sm * stages * (16 + block_n) * block_k * itemsize <= shared_memory_per_multiprocessor(device)
+
+    block_k = 512 if k >= 4 * 512 and per_sm == 1 else 128 if resident(128) and not resident(256) else 256
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
 
 
 def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -80,7 +89,7 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     out2d = out.view(rows, n)
     r2d = residual.reshape(rows, n) if residual is not None else out2d
-    config = tile_config(n, k, x.device, rows)
+    config = tile_config(n, k, x.device, rows, x.element_size())
     torch.library.wrap_triton(_linear_kernel)[(triton.cdiv(n, config["BLOCK_N"]),)](
         x2d, weight, bias if bias is not None else weight, r2d, out2d, rows, n, k,
         *x2d.stride(), *weight.stride(), *r2d.stride(), *out2d.stride(),
