@@ -29,12 +29,18 @@ TILE_GRID = [dict(BLOCK_N=n, BLOCK_K=k, num_stages=s, num_warps=w)
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
+    stride_xg, stride_wg, stride_og,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Output columns [BLOCK_N] of every row (M <= BLOCK_M), accumulated in fp32 over all of K, the bias and the
-    residual added to the sum before its one rounding."""
+    """Output columns [BLOCK_N] of every row (M <= BLOCK_M) of group program_id(1) (x, w and out advanced by their
+    group strides; one group for a plain linear), accumulated in fp32 over all of K, the bias and the residual added
+    to the sum before its one rounding."""
     wait_for_predecessor(USE_PDL)
+    group = tl.program_id(1).to(tl.int64)
+    x_ptr += group * stride_xg
+    w_ptr += group * stride_wg
+    out_ptr += group * stride_og
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -74,25 +80,30 @@ def tile_config(n: int, k: int, device: torch.device, rows: int = 1, itemsize: i
 
 
 def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
     """The kernel for up to DECODE_ROWS rows of x, cuBLAS past them (with the residual in its epilogue, addmm, when
-    there is no bias). Called from inside a triton_op."""
+    there is no bias; one batched GEMM over the groups). Called from inside a triton_op."""
     k = x.shape[-1]
-    x2d = x.reshape(-1, k)
-    rows, n = x2d.shape[0], weight.shape[0]
+    n = weight.shape[0] // groups
+    x3d = x.reshape(-1, groups, k)
+    rows = x3d.shape[0]
     if rows > DECODE_ROWS:
+        if groups > 1:
+            out = torch.bmm(x3d.transpose(0, 1), weight.view(groups, n, k).transpose(1, 2)).transpose(0, 1)
+            return out.reshape(*x.shape[:-1], n)
         if residual is None:
             return F.linear(x, weight, bias)
         if bias is None:
-            return torch.addmm(residual.reshape(rows, n), x2d, weight.t()).view(residual.shape)
+            return torch.addmm(residual.reshape(rows, n), x3d[:, 0], weight.t()).view(residual.shape)
         return residual + F.linear(x, weight, bias)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    out2d = out.view(rows, n)
-    r2d = residual.reshape(rows, n) if residual is not None else out2d
-    config = tile_config(n, k, x.device, rows, x.element_size())
-    torch.library.wrap_triton(_linear_kernel)[(triton.cdiv(n, config["BLOCK_N"]),)](
-        x2d, weight, bias if bias is not None else weight, r2d, out2d, rows, n, k,
-        *x2d.stride(), *weight.stride(), *r2d.stride(), *out2d.stride(),
+    out3d = out.view(rows, groups, n)
+    r2d = residual.reshape(rows, n) if residual is not None else out3d[:, 0]
+    config = tile_config(groups * n, k, x.device, rows, x.element_size())  # the programs of every group share SMs
+    torch.library.wrap_triton(_linear_kernel)[(triton.cdiv(n, config["BLOCK_N"]), groups)](
+        x3d, weight, bias if bias is not None else weight, r2d, out3d, rows, n, k,
+        x3d.stride(0), x3d.stride(2), *weight.stride(), *r2d.stride(), out3d.stride(0), out3d.stride(2),
+        x3d.stride(1), n * weight.stride(0), out3d.stride(1),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, FP32_DOT=fp32_dot(x.dtype),
         **config, **launch_options(x),
     )
@@ -101,8 +112,8 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @torch.library.triton_op("optiq::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
-    return launch_linear(x, weight, bias, residual)
+               residual: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
+    return launch_linear(x, weight, bias, residual, groups)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -119,6 +130,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.optiq.linear(x, weight, bias, residual)
 
 
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """x [..., G, K] and weight [G N, K] -> [..., G, N] in x's dtype: group g of x through the g-th block of N rows
+    of weight, a block-diagonal projection (DeepSeek-V4's grouped output projection), every group in the one launch
+    of the decode GEMM (HF's batched GEMM is followed by a copy of its transposed output); cuBLAS's batched GEMM past
+    DECODE_ROWS rows."""
+    if groups < 1 or weight.dim() != 2 or weight.shape[0] % groups or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} is not [{groups} N, {x.shape[-1]}]")
+    if x.dim() < 2 or x.shape[-2] != groups:
+        raise ValueError(f"x {tuple(x.shape)} does not hold {groups} groups in its second-to-last dim")
+    return torch.ops.optiq.linear(x, weight, None, None, groups)
+
+
+def grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """The block-diagonal product as HF's DeepseekV4GroupedLinear computes it: one batched GEMM over the groups."""
+    n, k = weight.shape[0] // groups, weight.shape[1]
+    x3d = x.reshape(-1, groups, k).transpose(0, 1)
+    return torch.bmm(x3d, weight.view(groups, n, k).transpose(1, 2)).transpose(0, 1).reshape(*x.shape[:-1], n)
+
+
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """nn.Linear as HF runs it."""
     return F.linear(x, weight, bias)
@@ -132,15 +162,21 @@ PROJECTIONS = {  # (K, N) of the presets' decode GEMMs
 }
 
 
+GROUPED_PROJECTIONS = {  # (K, N of a group, groups) of the grouped decode GEMMs
+    "deepseek-v4-flash o_a_proj": (4096, 1024, 8),
+}
+
+
 def benchmark_case(rows: int, dtype: torch.dtype, device, *, l2_bytes: int = 50 * 2**20) -> dict:
     """The presets' projections at ``rows`` decode tokens, each call reading its weight from HBM as a decode step
     does (a layer's weights are read once per step): successive calls take successive copies of the weight, enough
     of them to fill the L2 four times over. Not compiled: torch.compile of one F.linear is the same cuBLAS call."""
     gen = torch.Generator(device=device).manual_seed(rows)
     cases = {}
-    for label, (k, n) in PROJECTIONS.items():
-        x = torch.randn(rows, k, generator=gen, device=device, dtype=dtype)
-        weight = torch.randn(n, k, generator=gen, device=device, dtype=dtype) / k**0.5
+    shapes = {**{label: (k, n, 1) for label, (k, n) in PROJECTIONS.items()}, **GROUPED_PROJECTIONS}
+    for label, (k, n, groups) in shapes.items():
+        x = torch.randn(rows, *((groups,) if groups > 1 else ()), k, generator=gen, device=device, dtype=dtype)
+        weight = torch.randn(groups * n, k, generator=gen, device=device, dtype=dtype) / k**0.5
         copies = [weight] + [weight.clone() for _ in range(-(-4 * l2_bytes // weight.nbytes) - 1)]
         turn = [0]
 
@@ -149,10 +185,12 @@ def benchmark_case(rows: int, dtype: torch.dtype, device, *, l2_bytes: int = 50 
             return copies[turn[0]]
 
         cases[f"linear {label}"] = {
-            "fused": lambda x=x, next_copy=next_copy: linear(x, next_copy()),
-            "eager": lambda x=x, next_copy=next_copy: linear_reference(x, next_copy()),
+            "fused": (lambda x=x, copy=next_copy, groups=groups: grouped_linear(x, copy(), groups)) if groups > 1
+            else (lambda x=x, copy=next_copy: linear(x, copy())),
+            "eager": (lambda x=x, copy=next_copy, groups=groups: grouped_linear_reference(x, copy(), groups))
+            if groups > 1 else (lambda x=x, copy=next_copy: linear_reference(x, copy())),
             "compile": False,
-            "bytes": (rows * k + n * k + rows * n) * dtype.itemsize,
-            "flops": 2 * rows * k * n,
+            "bytes": (rows * groups * k + groups * n * k + rows * groups * n) * dtype.itemsize,
+            "flops": 2 * rows * groups * k * n,
         }
     return cases

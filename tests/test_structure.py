@@ -14,8 +14,8 @@ from optiq.gate import GatePlan, validate
 from optiq.gate.mutants import verify
 from optiq.models import load_model
 from optiq.patching import apply, unpatch
-from optiq.patching.structure import (gated_mlp, hyper_connection, pre_norm_decoder_layer, rms_norm,
-                                      sandwich_norm_decoder_layer)
+from optiq.patching.structure import (gated_mlp, grouped_linear, hyper_connection, pre_norm_decoder_layer,
+                                      rms_norm, sandwich_norm_decoder_layer)
 
 from wrong_kernels import user_recipe
 
@@ -240,6 +240,37 @@ def test_hyper_connection_recipe_is_kept_and_its_wrong_kernels_rolled_back(tmp_p
         status.values()) == {"killed"}, status
     for fusion in ("mixing_single_iteration", "mixing_without_base"):
         patches = apply(model, [user_recipe(tmp_path / fusion, "hyper_connection", "wrong",
+                                            fusion=f"wrong_kernels:{fusion}")])
+        report = validate(patches, plan)
+        assert report.rolled_back == ["wrong"] and "error" in report.recipes["wrong"].reason, (fusion, report)
+        assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_grouped_projections_are_found_by_what_they_compute():
+    """DeepSeek-V4's grouped output projection is found with its config's group count; its dense projections, and
+    a Linear that keeps a group count but computes a dense product, are not grouped."""
+    model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
+    found = {name: site for name, module in model.named_modules() if (site := grouped_linear(module))}
+    assert set(found) == {f"model.layers.{i}.self_attn.o_a_proj" for i in range(len(model.model.layers))}
+    assert {site.groups for site in found.values()} == {model.config.o_groups}
+    dense = torch.nn.Linear(16, 8, bias=False)
+    dense.n_groups = 2
+    assert grouped_linear(dense) is None
+
+
+def test_grouped_linear_recipe_is_kept_and_its_wrong_kernels_rolled_back(tmp_path):
+    """On both passes of the gate with every mutant that applies; a group offset by one and the block-diagonal
+    structure lost are rolled back."""
+    model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
+    plan = GatePlan((2,), steps=3, prompt_len=5)
+    result = verify(model, [load_catalog()["grouped_linear"]], plan)["grouped_linear"]
+    assert result.real == "passed", result.real
+    killed = {mutant.name for mutant in result.mutants if mutant.status == "killed"}
+    assert {"first block dropped", "last block dropped", "rows 0 and 1 swapped", "last row stale",
+            "state kept across calls"} <= killed, result.mutants
+    assert all(mutant.status != "survived" for mutant in result.mutants), result.mutants
+    for fusion in ("grouped_linear_shifted_blocks", "grouped_linear_as_one_block"):
+        patches = apply(model, [user_recipe(tmp_path / fusion, "grouped_linear", "wrong",
                                             fusion=f"wrong_kernels:{fusion}")])
         report = validate(patches, plan)
         assert report.rolled_back == ["wrong"] and "error" in report.recipes["wrong"].reason, (fusion, report)

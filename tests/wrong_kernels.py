@@ -9,6 +9,7 @@ import torch
 
 from optiq.fusions.attention_prologue import attention_prologue
 from optiq.fusions.decode_attention import decode_attention_reference
+from optiq.fusions.linear import grouped_linear_reference
 from optiq.fusions.mla_decode import mla_decode_reference
 from optiq.fusions.moe_experts import moe_experts_reference
 from optiq.fusions.moe_router import route_reference
@@ -137,3 +138,18 @@ def mixing_single_iteration(streams, fn, base, scale, norm_eps, hc_eps, iteratio
 def mixing_without_base(streams, fn, base, scale, norm_eps, hc_eps, iterations):
     """A hyper-connection that forgot its learned base (HF initialises it to zeros)."""
     return stream_mixing(streams, fn, torch.zeros_like(base), scale, norm_eps, hc_eps, iterations)
+
+
+def grouped_linear_shifted_blocks(x, weight, groups):
+    """A grouped projection that takes each group through its neighbour's block of weight rows (an off-by-one
+    group offset)."""
+    blocks = weight.view(groups, weight.shape[0] // groups, -1)
+    return grouped_linear_reference(x, blocks.roll(1, dims=0).reshape_as(weight), groups)
+
+
+def grouped_linear_as_one_block(x, weight, groups):
+    """A grouped projection computed as if its weight were one dense [N, G K] matrix over the flattened groups'
+    inputs (the block-diagonal structure lost), where the shapes allow it."""
+    flat = x.flatten(-2)
+    dense = weight.repeat(1, groups)[:, :flat.shape[-1]]
+    return torch.nn.functional.linear(flat, dense).view(*x.shape[:-1], -1) / groups

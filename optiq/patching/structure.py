@@ -314,6 +314,44 @@ def hyper_connection(module: torch.nn.Module) -> HyperConnectionSite | None:
     return site if site is not None and errors[site] < 1e-5 else None
 
 
+@dataclass(frozen=True)
+class GroupedLinearSite:
+    groups: int  # x [..., groups, K] -> [..., groups, N / groups], group g through weight rows [g N / G, (g + 1) N / G)
+
+
+def grouped_linear(module: torch.nn.Module) -> GroupedLinearSite | None:
+    """A block-diagonal projection without bias (DeepSeek-V4's grouped output projection): one weight [N, K], no
+    submodule, and a forward from [..., G, K] to [..., G, N / G] taking group g through the g-th block of N / G weight
+    rows. G is one of the module's int attributes other than its widths, each tried on a probe that shares the
+    module's attributes but holds a random float64 weight (the real one, 67 MB a layer on V4-Flash, is not copied)."""
+    params = dict(module.named_parameters(recurse=False))
+    weight = params.get("weight")
+    if set(params) != {"weight"} or weight.dim() != 2 or next(module.children(), None) is not None:
+        return None
+    n, k = weight.shape
+    candidates = sorted({value for value in vars(module).values()
+                         if type(value) is int and 1 < value < n and n % value == 0 and value != k})
+    if not candidates:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    probe = copy.copy(module)
+    probe._parameters = {"weight": torch.nn.Parameter(
+        torch.randn(n, k, dtype=torch.float64, generator=generator).to(weight.device) / k**0.5, requires_grad=False)}
+    for groups in candidates:
+        x = torch.randn(PROBE_ROWS, groups, k, dtype=torch.float64, generator=generator).to(weight.device)
+        try:
+            with torch.no_grad():
+                got = type(module).forward(probe, x)
+        except Exception:  # noqa: BLE001 - not this grouping
+            continue
+        want = torch.einsum("tgk,gnk->tgn", x, probe.weight.view(groups, n // groups, k))
+        if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-9,
+                                                                                          atol=1e-12):
+            return GroupedLinearSite(groups)
+    return None
+
+
 STRUCTURES = {"rms_norm": rms_norm, "gated_mlp": gated_mlp, "qkv_attention": qkv_attention,
               "pre_norm_decoder_layer": pre_norm_decoder_layer,
-              "sandwich_norm_decoder_layer": sandwich_norm_decoder_layer, "hyper_connection": hyper_connection}
+              "sandwich_norm_decoder_layer": sandwich_norm_decoder_layer, "hyper_connection": hyper_connection,
+              "grouped_linear": grouped_linear}

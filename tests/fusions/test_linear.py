@@ -1,5 +1,5 @@
 """The decode GEMM against nn.Linear in float64: rows 1-16 with and without bias, odd K and N, every output element
-written, prefill rows handed to cuBLAS.
+written, prefill rows handed to cuBLAS; its grouped form against the block-diagonal product in float64.
 
 CPU cases run under the Triton interpreter at small shapes; CUDA cases use the presets' projections."""
 
@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from optiq.fusions import linear as linear_module
-from optiq.fusions.linear import DECODE_ROWS, MAX_BLOCK_M, PROJECTIONS, benchmark_case, linear
+from optiq.fusions.linear import (DECODE_ROWS, GROUPED_PROJECTIONS, MAX_BLOCK_M, PROJECTIONS, benchmark_case,
+                                 grouped_linear, grouped_linear_reference, linear)
 from kernel_testing import OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -105,9 +106,45 @@ def test_wrong_shapes_are_refused():
         linear(x, weight, bias[:16])
 
 
+def block_diagonal(x, weight, groups):
+    """Group g of x [..., G, K] through rows [g N, (g + 1) N) of weight, in float64, one group at a time."""
+    n = weight.shape[0] // groups
+    return torch.stack([x[..., g, :].double() @ weight[g * n:(g + 1) * n].double().T for g in range(groups)], dim=-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("leading, groups, k, n", [((1,), 3, 96, 40), ((5,), 4, 64, 24), ((2, 3), 2, 300, 33),
+                                                   ((DECODE_ROWS + 4,), 3, 64, 16)])
+def test_grouped_matches_the_block_diagonal_product(request, poisoned_empty, dtype, leading, groups, k, n):
+    """Every group through its own block of weight rows, in the kernel up to DECODE_ROWS rows and in cuBLAS's batched
+    GEMM past them; as close to float64 as HF's batched GEMM is."""
+    gen = torch.Generator().manual_seed(seed_of(request))
+    x = torch.randn(*leading, groups, k, generator=gen).to(SMALL_DEVICE, dtype)
+    weight = (torch.randn(groups * n, k, generator=gen) / k**0.5).to(SMALL_DEVICE, dtype)
+    got = grouped_linear(x, weight, groups)
+    want = block_diagonal(x, weight, groups)
+    assert got.shape == (*leading, groups, n) and got.dtype == dtype
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(grouped_linear_reference(x, weight, groups).double(), want, rtol=tolerance,
+                               atol=tolerance)
+    swapped = torch.cat([weight[n:2 * n], weight[:n], weight[2 * n:]])  # groups 0 and 1 through each other's rows
+    assert not torch.allclose(grouped_linear(x, swapped, groups).double(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_grouped_wrong_shapes_are_refused():
+    x = torch.randn(2, 4, 64)
+    with pytest.raises(ValueError):
+        grouped_linear(x, torch.randn(4 * 8 + 1, 64), 4)  # rows not a multiple of the groups
+    with pytest.raises(ValueError):
+        grouped_linear(x, torch.randn(3 * 8, 64), 3)  # x holds 4 groups
+
+
 def test_custom_op_registration(request):
     x, weight, bias = make_inputs(seed_of(request), (2,), 64, 32, torch.float32, SMALL_DEVICE, bias=True)
     torch.library.opcheck(torch.ops.optiq.linear.default, (x, weight, bias), **OPCHECKS)
+    grouped = x.view(2, 2, 32)  # two groups of 32 through [2 x 16, 32]
+    torch.library.opcheck(torch.ops.optiq.linear.default, (grouped, weight[:, :32], None, None, 2), **OPCHECKS)
 
 
 @needs_cuda
@@ -116,6 +153,19 @@ def test_custom_op_registration(request):
 def test_preset_projections_cuda(projection, rows):
     k, n = PROJECTIONS[projection]
     check(*make_inputs(rows + k + n, (rows,), k, n, torch.bfloat16, "cuda", bias=False))
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_grouped_projections_cuda(rows):
+    for k, n, groups in GROUPED_PROJECTIONS.values():
+        gen = torch.Generator().manual_seed(rows + k + n)
+        x = torch.randn(rows, groups, k, generator=gen).to("cuda", torch.bfloat16)
+        weight = (torch.randn(groups * n, k, generator=gen) / k**0.5).to("cuda", torch.bfloat16)
+        got = grouped_linear(x, weight, groups)
+        torch.testing.assert_close(got.double(), block_diagonal(x, weight, groups), rtol=1e-2, atol=1e-2)
+        assert_graph_replay_and_compile(lambda: grouped_linear(x, weight, groups),
+                                        lambda: x.copy_(torch.randn_like(x)))
 
 
 @needs_cuda

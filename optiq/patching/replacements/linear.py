@@ -1,10 +1,12 @@
-"""nn.Linear modules through a decode GEMM kernel."""
+"""nn.Linear modules, and block-diagonal (grouped) projections, through a decode GEMM kernel."""
 
 from __future__ import annotations
 
 import inspect
 
 import torch
+
+from optiq.patching.structure import grouped_linear
 
 
 def linear_forward(module: torch.nn.Module, fusion):
@@ -17,4 +19,16 @@ def linear_forward(module: torch.nn.Module, fusion):
         return fusion(x, module.weight, module.bias, residual=residual)
 
     forward.takes_residual = "residual" in inspect.signature(fusion).parameters
+    return forward
+
+
+def grouped_linear_forward(module: torch.nn.Module, fusion):
+    """A grouped projection (``structure.grouped_linear``) with its group count, its weight read at call time."""
+    site = grouped_linear(module)
+    if site is None:
+        raise ValueError(f"{type(module).__name__} does not compute a block-diagonal projection")
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return fusion(x, module.weight, site.groups)
+
     return forward
