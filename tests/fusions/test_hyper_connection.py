@@ -37,12 +37,16 @@ def check(got, streams, fn, base, scale, iterations):
     torch.testing.assert_close(got[2].double(), want[2], **COLLAPSED[streams.dtype])
 
 
+@pytest.mark.usefixtures("poisoned_empty")  # a slice of the collapse or a partial sum left unwritten reads NaN
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("leading, n, d, iterations", [
-    ((1, 1), 4, 64, 20),                 # one decode token, V4's four streams
-    ((3,), 4, BLOCK_D + 40, 20),         # D past one collapse block, N D past one projection slice
+    ((1, 1), 4, 64, 20),                 # one decode token, V4's four streams, D inside one collapse slice
+    ((3,), 4, BLOCK_D + 40, 20),         # D past one collapse slice, N D past one projection slice
+    ((17,), 4, 2 * BLOCK_D + 24, 20),    # three collapse slices, the last partial; N D 16 1/2 projection slices
     ((2, 2), 3, 70, 5),                  # three streams: padded to four in the kernel
+    ((3,), 3, 2 * BLOCK_D + 1, 4),       # three streams over three collapse slices, the last a single element
     ((1,), 2, BLOCK_K // 2 + 3, 1),      # a single Sinkhorn iteration (columns only)
+    ((17,), 2, BLOCK_D + 8, 20),         # two streams, two collapse slices, many tokens
 ])
 def test_matches_the_float64_formula(request, leading, n, d, iterations, dtype):
     streams, fn, base, scale = make_inputs(leading, n, d, dtype, SMALL_DEVICE, seed_of(request))
