@@ -7,13 +7,14 @@ collapse weights ``pre`` (a sigmoid), expansion weights ``post`` (twice a sigmoi
 with ``pre``. Every step is a few tiny kernels, and the Sinkhorn loop alone is 114 a call at 20 iterations (a sum, an
 add and a divide per normalisation): at decode the GPU waits on launches.
 
-Here the first kernel takes the projection's partial dot products over slices of N D, and with them each slice's
-sum of squares (the norm is unweighted, so its scale factors out of the dot products and is applied afterwards);
-every token and slice a program, so one token still fills the GPU. The second kernel has, per token, one program
-for post and comb (the activations and Sinkhorn on the N x N matrix in registers) and one per slice of D for the
-collapse, each recomputing the few scalars it needs from the partial sums: nothing in it walks D serially, so a
-token's time is a couple of memory round trips, not one per block of D. All in fp32 as HF computes it; the partial
-sums are added in a fixed order, so a call's results do not vary from run to run.
+Here the first kernel takes the projection's partial dot products over slices of N D, and with them each slice's sum
+of squares (the norm is unweighted, so its scale factors out of the dot products and is applied afterwards); every
+slice and block of up to TOKENS_BLOCK tokens a program, so one token still spreads over the GPU and fn is read once a
+block of tokens, not once a token. The second kernel has, per token, one program for post and comb (the activations
+and Sinkhorn on the N x N matrix in registers) and one per slice of D for the collapse, each recomputing the few
+scalars it needs from the partial sums: nothing in it walks D serially, so a token's time is a couple of memory round
+trips, not one per block of D. All in fp32 as HF computes it; the partial sums are added in a fixed order, so a call's
+results do not vary from run to run.
 """
 
 import torch
@@ -23,6 +24,10 @@ import triton.language as tl
 from optiq.fusions.launch import launch_options, wait_for_predecessor
 
 BLOCK_K = 256  # elements of N D a program of the projection reads
+# Most tokens a projection program takes (fewer tokens: a power of two past them). Each program reads its tile of fn
+# once, so fn's bytes from L2 shrink with the block; a block this size still leaves a program per SM at 16 tokens
+# (V4's N D makes 64 slices), and its serial share of the sums stays a few tokens deep.
+TOKENS_BLOCK = 8
 # Hidden elements of all N streams a collapse program reads and writes. Such a program is latency-bound: it issues
 # two independent loads (the token's partial sums, its slice of the streams), waits one round trip, and does N
 # multiply-adds an element. Its slice stays a single round trip (a few elements a thread) and its re-read of the
@@ -32,20 +37,35 @@ BLOCK_D = 512
 
 
 @triton.jit
-def _project_kernel(x_ptr, fn_ptr, partial_ptr, K, OUTPUTS, stride_xt, stride_fo, stride_pt, stride_ps,
-                    OUT_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _project_kernel(x_ptr, fn_ptr, partial_ptr, tokens, K, OUTPUTS, stride_xt, stride_fo, stride_pt, stride_ps,
+                    TOKENS_BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     """partial[t, s, o] = sum over the s-th slice of K of x[t, k] * fn[o, k] for o < OUTPUTS, and
-    partial[t, s, OUTPUTS] = the slice's sum of x[t, k] squared (the norm's share of it)."""
+    partial[t, s, OUTPUTS] = the slice's sum of x[t, k] squared (the norm's share of it); a program takes
+    TOKENS_BLOCK tokens of one slice, so its tile of fn is read once for all of them.
+
+    A multiply and a sum across the tile rather than tl.dot: tl.dot needs 16 rows a side, so decode's 1 to 8 tokens
+    would be padded to 16 (most of the work wasted where latency matters most), and in fp32 it must run in IEEE
+    precision (tf32 would change the function), on the same FMA units, so it would save only the cross-thread sums.
+    What costs at many tokens is fn's bytes (the tile is read from L2 once a program), and keeping the tile in
+    registers across the token loop cuts them as a dot would; the loop is unrolled, so its tokens' loads are
+    independent and issued together."""
     wait_for_predecessor(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
+    first_token = tl.program_id(0).to(tl.int64) * TOKENS_BLOCK
     split = tl.program_id(1)
     ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
     outs = tl.arange(0, OUT_BLOCK)
-    x = tl.load(x_ptr + token * stride_xt + ks, mask=ks < K, other=0.0).to(tl.float32)
     w = tl.load(fn_ptr + outs[:, None] * stride_fo + ks[None, :], mask=(outs[:, None] < OUTPUTS) & (ks[None, :] < K),
                 other=0.0).to(tl.float32)
-    sums = tl.where(outs == OUTPUTS, tl.sum(x * x, axis=0), tl.sum(w * x[None, :], axis=1))
-    tl.store(partial_ptr + token * stride_pt + split * stride_ps + outs, sums, mask=outs <= OUTPUTS)
+    for offset in tl.static_range(TOKENS_BLOCK):
+        token = first_token + offset
+        # A token past the last (in the last block) reads and writes nothing. The limits are scalars, as the
+        # interpreter cannot combine a block's mask with a scalar condition.
+        k_end = tl.where(token < tokens, K, 0)
+        out_end = tl.where(token < tokens, OUTPUTS + 1, 0)
+        x = tl.load(x_ptr + token * stride_xt + ks, mask=ks < k_end, other=0.0).to(tl.float32)
+        sums = tl.where(outs == OUTPUTS, tl.sum(x * x, axis=0), tl.sum(w * x[None, :], axis=1))
+        tl.store(partial_ptr + token * stride_pt + split * stride_ps + outs, sums, mask=outs < out_end)
 
 
 @triton.jit
@@ -136,9 +156,10 @@ def _hyper_connection_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Te
     comb = torch.empty((tokens, n, n), dtype=torch.float32, device=streams.device)
     collapsed = torch.empty((tokens, d), dtype=streams.dtype, device=streams.device)
     options = launch_options(streams)
-    torch.library.wrap_triton(_project_kernel)[(tokens, splits)](
-        x, fn, partial, n * d, outputs, x.stride(0), fn.stride(0), partial.stride(0), partial.stride(1),
-        OUT_BLOCK=triton.next_power_of_2(outputs + 1), BLOCK_K=BLOCK_K, **options)
+    tokens_block = min(triton.next_power_of_2(tokens), TOKENS_BLOCK)
+    torch.library.wrap_triton(_project_kernel)[(triton.cdiv(tokens, tokens_block), splits)](
+        x, fn, partial, tokens, n * d, outputs, x.stride(0), fn.stride(0), partial.stride(0), partial.stride(1),
+        TOKENS_BLOCK=tokens_block, OUT_BLOCK=triton.next_power_of_2(outputs + 1), BLOCK_K=BLOCK_K, **options)
     torch.library.wrap_triton(_mix_kernel)[(tokens, 1 + triton.cdiv(d, BLOCK_D))](
         x, partial, base, scale, post, comb, collapsed, d, splits, norm_eps, hc_eps, iterations,
         x.stride(0), partial.stride(0), partial.stride(1), post.stride(0), comb.stride(0), collapsed.stride(0),

@@ -7,7 +7,7 @@ import torch
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 
-from optiq.fusions.hyper_connection import BLOCK_D, BLOCK_K, hyper_connection
+from optiq.fusions.hyper_connection import BLOCK_D, BLOCK_K, TOKENS_BLOCK, hyper_connection
 from optiq.patching.structure import stream_mixing
 from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
@@ -41,12 +41,14 @@ def check(got, streams, fn, base, scale, iterations):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("leading, n, d, iterations", [
     ((1, 1), 4, 64, 20),                 # one decode token, V4's four streams, D inside one collapse slice
-    ((3,), 4, BLOCK_D + 40, 20),         # D past one collapse slice, N D past one projection slice
-    ((17,), 4, 2 * BLOCK_D + 24, 20),    # three collapse slices, the last partial; N D 16 1/2 projection slices
+    ((3,), 4, BLOCK_D + 40, 20),         # D past one collapse slice, N D past one projection slice, a block of 4 tokens holding 3
+    # two full blocks of tokens and one of a single token; three collapse slices, the last partial; N D past a
+    # whole number of projection slices
+    ((2 * TOKENS_BLOCK + 1,), 4, 2 * BLOCK_D + 24, 20),
     ((2, 2), 3, 70, 5),                  # three streams: padded to four in the kernel
     ((3,), 3, 2 * BLOCK_D + 1, 4),       # three streams over three collapse slices, the last a single element
     ((1,), 2, BLOCK_K // 2 + 3, 1),      # a single Sinkhorn iteration (columns only)
-    ((17,), 2, BLOCK_D + 8, 20),         # two streams, two collapse slices, many tokens
+    ((TOKENS_BLOCK + 1,), 2, BLOCK_D + 8, 20),  # two streams, two collapse slices, two blocks of tokens
 ])
 def test_matches_the_float64_formula(request, leading, n, d, iterations, dtype):
     streams, fn, base, scale = make_inputs(leading, n, d, dtype, SMALL_DEVICE, seed_of(request))
