@@ -41,7 +41,7 @@ def check(got, streams, fn, base, scale, iterations):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("leading, n, d, iterations", [
     ((1, 1), 4, 64, 20),                 # one decode token, V4's four streams, D inside one collapse slice
-    ((3,), 4, BLOCK_D + 40, 20),         # D past one collapse slice, N D past one projection slice, a block of 4 tokens holding 3
+    ((3,), 4, BLOCK_D + 40, 20),         # D and N D past one collapse / projection slice; 3 tokens in a block of 4
     # two full blocks of tokens and one of a single token; three collapse slices, the last partial; N D past a
     # whole number of projection slices
     ((2 * TOKENS_BLOCK + 1,), 4, 2 * BLOCK_D + 24, 20),
