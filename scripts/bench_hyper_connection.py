@@ -1,17 +1,21 @@
 """HF's DeepseekV4HyperConnection against optiq's hyper_connection kernels at DeepSeek-V4-Flash's widths (4 streams
 of 4096, fn in fp32, streams in bf16), both replayed from CUDA graphs, at 1, 16 and 64 decode tokens: microseconds
-per call (median), then where each path's time goes, every kernel of a few graph replays under torch.profiler.
+per call (median), the fused pair also launched without programmatic dependent launch (PDL), then where each path's
+time goes, every kernel of a few graph replays under torch.profiler.
 
 Usage (on a GPU): python scripts/bench_hyper_connection.py OUT.json
 
-OUT.json, per token count: hf_graph_us, fused_us, their ratio, and under "kernels" for each path ("hf", "fused")
-the activities on the GPU's timeline (kernels, and a memcpy or memset by its name should a path have one), each with
-its count per call and mean duration, the longest in total first. Under programmatic dependent launch (on Hopper,
-unless OPTIQ_PDL=0) a fused kernel starts before its predecessor ends and waits for it, so its duration includes
-that wait; "pdl" says whether it was on.
+OUT.json, per token count: hf_graph_us, fused_us, fused_without_pdl_us, ratio (HF over fused), pdl (whether the fused
+path's kernels used it: Hopper and later, unless OPTIQ_PDL=0), and under "kernels" for each of the three ("hf",
+"fused", "fused_without_pdl") the activities on the GPU's timeline (kernels, and a memcpy or memset by its name should
+a path have one), each with its count per call and mean duration, the longest in total first. Under PDL a fused
+kernel starts before its predecessor ends and waits for it, so its duration includes that wait; without, each
+duration is the kernel's own.
 """
 
+import contextlib
 import json
+import os
 import sys
 from collections import defaultdict
 
@@ -57,6 +61,20 @@ def kernels_of(call) -> list[dict]:
     return sorted(rows, key=lambda row: -row["per_call"] * row["mean_us"])
 
 
+@contextlib.contextmanager
+def without_pdl():
+    """optiq's kernels launched as plain kernels inside (launch.enabled reads OPTIQ_PDL at every call)."""
+    before = os.environ.get("OPTIQ_PDL")
+    os.environ["OPTIQ_PDL"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["OPTIQ_PDL"]
+        else:
+            os.environ["OPTIQ_PDL"] = before
+
+
 def main(out_path: str) -> None:
     config = DeepseekV4Config()
     module = DeepseekV4HyperConnection(config).cuda().float()
@@ -72,19 +90,30 @@ def main(out_path: str) -> None:
     for tokens in TOKEN_COUNTS:
         streams = torch.randn(tokens, 1, config.hc_mult, config.hidden_size, device="cuda",
                               generator=generator).bfloat16()
-        paths = {"hf": lambda: module(streams),
-                 "fused": lambda: hyper_connection(streams, module.fn, module.base, module.scale, norm_eps,
-                                                   module.hc_eps, module.hc_sinkhorn_iters)}
+
+        def hf():
+            return module(streams)
+
+        def fused():
+            return hyper_connection(streams, module.fn, module.base, module.scale, norm_eps, module.hc_eps,
+                                    module.hc_sinkhorn_iters)
+
+        timings, kernels = {}, {}
         with torch.no_grad():
-            hf, fused = (triton.testing.do_bench_cudagraph(paths[name], rep=200, return_mode="median")
-                         for name in ("hf", "fused"))
-            kernels = {name: kernels_of(call) for name, call in paths.items()}
-        results[tokens] = {"hf_graph_us": hf * 1e3, "fused_us": fused * 1e3, "ratio": hf / fused,
-                           "pdl": launch.enabled(streams), "kernels": kernels}
+            for name, call, launching in (("hf", hf, contextlib.nullcontext), ("fused", fused, contextlib.nullcontext),
+                                          ("fused_without_pdl", fused, without_pdl)):
+                with launching():
+                    timings[name] = triton.testing.do_bench_cudagraph(call, rep=200, return_mode="median") * 1e3
+                    kernels[name] = kernels_of(call)
+        results[tokens] = {"hf_graph_us": timings["hf"], "fused_us": timings["fused"],
+                           "fused_without_pdl_us": timings["fused_without_pdl"],
+                           "ratio": timings["hf"] / timings["fused"], "pdl": launch.enabled(streams),
+                           "kernels": kernels}
         print(tokens, {key: value for key, value in results[tokens].items() if key != "kernels"}, flush=True)
         for name, rows in kernels.items():
             for row in rows:
-                print(f"  {name:5} {row['per_call']:5.1f} x {row['mean_us']:7.2f} us  {row['name'][:90]}", flush=True)
+                print(f"  {name:17} {row['per_call']:5.1f} x {row['mean_us']:7.2f} us  {row['name'][:80]}",
+                      flush=True)
     with open(out_path, "w") as out:
         json.dump(results, out, indent=1)
 
