@@ -24,9 +24,9 @@ import triton.language as tl
 from optiq.fusions.launch import launch_options, wait_for_predecessor
 
 BLOCK_K = 256  # elements of N D a program of the projection reads
-# Most tokens a projection program takes (fewer tokens: a power of two past them). Each program reads its tile of fn
-# once, so fn's bytes from L2 shrink with the block; a block this size still leaves a program per SM at 16 tokens
-# (V4's N D makes 64 slices), and its serial share of the sums stays a few tokens deep.
+# Most tokens a projection program takes (with fewer, the least power of two that holds them). Each program reads
+# its tile of fn once, so fn's bytes from L2 shrink with the block; a block this size still leaves a program per SM
+# at 16 tokens (V4's N D makes 64 slices), and its serial share of the sums stays a few tokens deep.
 TOKENS_BLOCK = 8
 # Hidden elements of all N streams a collapse program reads and writes. Such a program is latency-bound: it issues
 # two independent loads (the token's partial sums, its slice of the streams), waits one round trip, and does N
@@ -79,7 +79,6 @@ def _rstd(split_rows, split_mask, D, norm_eps, N: tl.constexpr):
 def _post_and_comb(split_rows, split_mask, streams, stream_mask, base_ptr, scale_ptr, post_row, comb_row, rstd,
                    hc_eps, iterations, N: tl.constexpr):
     """post (twice a sigmoid) and comb (a row softmax made doubly stochastic by Sinkhorn) of one token, stored."""
-    # The projection's outputs: pre at [0, N), post at [N, 2N), comb at 2N + i N + j; each the sum of its splits.
     post_w = tl.sum(tl.load(split_rows[:, None] + N + streams[None, :],
                             mask=split_mask[:, None] & stream_mask[None, :], other=0.0), axis=0) * rstd
     square = streams[:, None] * N + streams[None, :]
@@ -124,7 +123,8 @@ def _mix_kernel(x_ptr, partial_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out
                 USE_PDL: tl.constexpr):
     """Program (t, 0): token t's post and comb; program (t, 1 + b): its collapse's b-th slice of D. Post, comb and
     the collapse need only the partial sums, so they run side by side, and Sinkhorn's serial iterations overlap the
-    collapse instead of preceding it."""
+    collapse instead of preceding it. A token's row of partial sums holds, each summed over the splits, pre's
+    projection at [0, N), post's at [N, 2N), comb's at 2N + i N + j, and the sum of squares at (2 + N) N."""
     wait_for_predecessor(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     column = tl.program_id(1)
