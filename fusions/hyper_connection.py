@@ -24,9 +24,10 @@ import triton.language as tl
 from optiq.fusions.launch import launch_options, wait_for_predecessor
 
 BLOCK_K = 256  # elements of N D a program of the projection reads
+CHUNK_K = 16  # of them it multiplies at a time (64 bytes of a row of fn, in vector loads): see _project_kernel
 # Most tokens a projection program takes (with fewer, the least power of two that holds them). Each program reads
-# its tile of fn once, so fn's bytes from L2 shrink with the block; a block this size still leaves a program per SM
-# at 16 tokens (V4's N D makes 64 slices), and its serial share of the sums stays a few tokens deep.
+# its chunks of fn once for all its tokens, so fn's bytes from L2 shrink with the block; a block this size still
+# leaves a program per SM at 16 tokens (V4's N D makes 64 slices) and its accumulators in registers.
 TOKENS_BLOCK = 8
 # Hidden elements of all N streams a collapse program reads and writes. Such a program is latency-bound: it issues
 # two independent loads (the token's partial sums, its slice of the streams), waits one round trip, and does N
@@ -39,33 +40,39 @@ BLOCK_D = 512
 @triton.jit
 def _project_kernel(x_ptr, fn_ptr, partial_ptr, tokens, K, OUTPUTS, stride_xt, stride_fo, stride_pt, stride_ps,
                     TOKENS_BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+                    CHUNK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """partial[t, s, o] = sum over the s-th slice of K of x[t, k] * fn[o, k] for o < OUTPUTS, and
-    partial[t, s, OUTPUTS] = the slice's sum of x[t, k] squared (the norm's share of it); a program takes
-    TOKENS_BLOCK tokens of one slice, so its tile of fn is read once for all of them.
+    partial[t, s, OUTPUTS] = the slice's sum of x[t, k] squared (the norm's share of it), for the program's
+    TOKENS_BLOCK tokens of one slice: each chunk of fn it loads serves all of them.
 
-    A multiply and a sum across the tile rather than tl.dot: tl.dot needs 16 rows a side, so decode's 1 to 8 tokens
+    The slice is walked CHUNK_K elements at a time, every product added into an accumulator of its own
+    ([tokens, outputs, CHUNK_K], so in the thread that computed it), and summed across threads once at the end. A
+    sum across the whole slice per token, as a [outputs, slice] tile, spreads each output's 256 products over a warp
+    and costs a tree of warp shuffles per output and token: those, not the multiply-adds, bound the kernel at many
+    tokens. A broadcast multiply and sum rather than tl.dot: tl.dot needs 16 rows a side, so decode's 1 to 8 tokens
     would be padded to 16 (most of the work wasted where latency matters most), and in fp32 it must run in IEEE
-    precision (tf32 would change the function), on the same FMA units, so it would save only the cross-thread sums.
-    What costs at many tokens is fn's bytes (the tile is read from L2 once a program), and keeping the tile in
-    registers across the token loop cuts them as a dot would; the loop is unrolled, so its tokens' loads are
-    independent and issued together."""
+    precision (tf32 would change the function), on the same FMA units, so it would buy nothing the accumulators do
+    not. A chunk is wide enough for whole vector loads of fn's rows and narrow enough for the accumulators to stay
+    in registers; the chunk loop is unrolled, so the loads of all chunks are independent and issued together."""
     wait_for_predecessor(USE_PDL)
-    first_token = tl.program_id(0).to(tl.int64) * TOKENS_BLOCK
+    block_tokens = tl.program_id(0).to(tl.int64) * TOKENS_BLOCK + tl.arange(0, TOKENS_BLOCK)
     split = tl.program_id(1)
-    ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
     outs = tl.arange(0, OUT_BLOCK)
-    w = tl.load(fn_ptr + outs[:, None] * stride_fo + ks[None, :], mask=(outs[:, None] < OUTPUTS) & (ks[None, :] < K),
-                other=0.0).to(tl.float32)
-    for offset in tl.static_range(TOKENS_BLOCK):
-        token = first_token + offset
-        # A token past the last (in the last block) reads and writes nothing. The limits are scalars, as the
-        # interpreter cannot combine a block's mask with a scalar condition.
-        k_end = tl.where(token < tokens, K, 0)
-        out_end = tl.where(token < tokens, OUTPUTS + 1, 0)
-        x = tl.load(x_ptr + token * stride_xt + ks, mask=ks < k_end, other=0.0).to(tl.float32)
-        sums = tl.where(outs == OUTPUTS, tl.sum(x * x, axis=0), tl.sum(w * x[None, :], axis=1))
-        tl.store(partial_ptr + token * stride_pt + split * stride_ps + outs, sums, mask=outs < out_end)
+    chunk = tl.arange(0, CHUNK_K)
+    present = block_tokens[:, None] < tokens  # the last block's tokens past the end read and write nothing
+    products = tl.zeros((TOKENS_BLOCK, OUT_BLOCK, CHUNK_K), dtype=tl.float32)
+    squares = tl.zeros((TOKENS_BLOCK, CHUNK_K), dtype=tl.float32)
+    for k0 in tl.static_range(0, BLOCK_K, CHUNK_K):
+        ks = split * BLOCK_K + k0 + chunk
+        x = tl.load(x_ptr + block_tokens[:, None] * stride_xt + ks[None, :], mask=present & (ks[None, :] < K),
+                    other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + outs[:, None] * stride_fo + ks[None, :],
+                    mask=(outs[:, None] < OUTPUTS) & (ks[None, :] < K), other=0.0).to(tl.float32)
+        products += w[None, :, :] * x[:, None, :]
+        squares += x * x
+    sums = tl.where(outs[None, :] == OUTPUTS, tl.sum(squares, axis=1)[:, None], tl.sum(products, axis=2))
+    tl.store(partial_ptr + block_tokens[:, None] * stride_pt + split * stride_ps + outs[None, :], sums,
+             mask=present & (outs[None, :] <= OUTPUTS))
 
 
 @triton.jit
@@ -159,7 +166,8 @@ def _hyper_connection_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Te
     tokens_block = min(triton.next_power_of_2(tokens), TOKENS_BLOCK)
     torch.library.wrap_triton(_project_kernel)[(triton.cdiv(tokens, tokens_block), splits)](
         x, fn, partial, tokens, n * d, outputs, x.stride(0), fn.stride(0), partial.stride(0), partial.stride(1),
-        TOKENS_BLOCK=tokens_block, OUT_BLOCK=triton.next_power_of_2(outputs + 1), BLOCK_K=BLOCK_K, **options)
+        TOKENS_BLOCK=tokens_block, OUT_BLOCK=triton.next_power_of_2(outputs + 1), BLOCK_K=BLOCK_K, CHUNK_K=CHUNK_K,
+        **options)
     torch.library.wrap_triton(_mix_kernel)[(tokens, 1 + triton.cdiv(d, BLOCK_D))](
         x, partial, base, scale, post, comb, collapsed, d, splits, norm_eps, hc_eps, iterations,
         x.stride(0), partial.stride(0), partial.stride(1), post.stride(0), comb.stride(0), collapsed.stride(0),
