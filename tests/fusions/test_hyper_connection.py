@@ -83,9 +83,10 @@ def test_wrong_parameters_are_refused():
 
 
 @needs_cuda
-@pytest.mark.parametrize("tokens", [1, 16, 64])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 17, 64])
 def test_v4_flash_shapes_on_the_gpu(request, tokens):
-    """DeepSeek-V4-Flash's four streams of 4096 in bf16, fn in fp32 as the model keeps it; CUDA-graph replay."""
+    """DeepSeek-V4-Flash's four streams of 4096 in bf16, fn in fp32 as the model keeps it; CUDA-graph replay. Token
+    counts that fill the projection's blocks of tokens and ones that leave the last block part-empty."""
     streams, fn, base, scale = make_inputs((tokens, 1), 4, 4096, torch.bfloat16, "cuda", seed_of(request))
     check(hyper_connection(streams, fn, base, scale, NORM_EPS, HC_EPS, 20), streams, fn, base, scale, 20)
     fresh = make_inputs((tokens, 1), 4, 4096, torch.bfloat16, "cuda", seed_of(request) + 1)[0]
