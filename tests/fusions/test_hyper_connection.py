@@ -7,7 +7,7 @@ import torch
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 
-from optiq.fusions.hyper_connection import BLOCK_D, BLOCK_K, hyper_connection
+from optiq.fusions.hyper_connection import BLOCK_D, BLOCK_K, TOKENS_BLOCK, hyper_connection
 from optiq.patching.structure import stream_mixing
 from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
@@ -37,12 +37,18 @@ def check(got, streams, fn, base, scale, iterations):
     torch.testing.assert_close(got[2].double(), want[2], **COLLAPSED[streams.dtype])
 
 
+@pytest.mark.usefixtures("poisoned_empty")  # a slice of the collapse or a partial sum left unwritten reads NaN
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("leading, n, d, iterations", [
-    ((1, 1), 4, 64, 20),                 # one decode token, V4's four streams
-    ((3,), 4, BLOCK_D + 40, 20),         # D past one collapse block, N D past one projection slice
+    ((1, 1), 4, 64, 20),                 # one decode token, V4's four streams, D inside one collapse slice
+    ((3,), 4, BLOCK_D + 40, 20),         # D and N D past one collapse / projection slice; 3 tokens in a block of 4
+    # two full blocks of tokens and one of a single token; three collapse slices, the last partial; N D past a
+    # whole number of projection slices
+    ((2 * TOKENS_BLOCK + 1,), 4, 2 * BLOCK_D + 24, 20),
     ((2, 2), 3, 70, 5),                  # three streams: padded to four in the kernel
+    ((3,), 3, 2 * BLOCK_D + 1, 4),       # three streams over three collapse slices, the last a single element
     ((1,), 2, BLOCK_K // 2 + 3, 1),      # a single Sinkhorn iteration (columns only)
+    ((TOKENS_BLOCK + 1,), 2, BLOCK_D + 8, 20),  # two streams, two collapse slices, two blocks of tokens
 ])
 def test_matches_the_float64_formula(request, leading, n, d, iterations, dtype):
     streams, fn, base, scale = make_inputs(leading, n, d, dtype, SMALL_DEVICE, seed_of(request))
@@ -77,9 +83,10 @@ def test_wrong_parameters_are_refused():
 
 
 @needs_cuda
-@pytest.mark.parametrize("tokens", [1, 16, 64])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 17, 64])
 def test_v4_flash_shapes_on_the_gpu(request, tokens):
-    """DeepSeek-V4-Flash's four streams of 4096 in bf16, fn in fp32 as the model keeps it; CUDA-graph replay."""
+    """DeepSeek-V4-Flash's four streams of 4096 in bf16, fn in fp32 as the model keeps it; CUDA-graph replay. Token
+    counts that fill the projection's blocks of tokens and ones that leave the last block part-empty."""
     streams, fn, base, scale = make_inputs((tokens, 1), 4, 4096, torch.bfloat16, "cuda", seed_of(request))
     check(hyper_connection(streams, fn, base, scale, NORM_EPS, HC_EPS, 20), streams, fn, base, scale, 20)
     fresh = make_inputs((tokens, 1), 4, 4096, torch.bfloat16, "cuda", seed_of(request) + 1)[0]
