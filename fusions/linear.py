@@ -59,11 +59,11 @@ def tile_config(n: int, k: int, device: torch.device, rows: int = 1, itemsize: i
     """Tiles from the shapes, as measured on the H200 (scripts/tiles.py linear, 4 warps always ahead of 8): 32 output
     columns per program from 2048 columns up, or past 8 rows (where x's re-reads through L2 count), else 16, so that
     a 1024-column projection still spreads over 64 SMs at one row. K tiles of 512 when every program has an SM of its
-    own and K spans four tiles or more; of 128 when the programs fill more than one SM each and their 256-wide stages
-    would not all fit in shared memory at once, but 128-wide ones do (Phi-3's QKV: three programs an SM), so no
-    program waits for a second wave; else 256 (an LM head's thousands of programs run in waves whatever the tile).
-    Phi-3's 3072 columns took 16 columns a program up to session 14, which left its o_proj and down_proj a third
-    slower."""
+    own and K spans four tiles or more. When the programs outnumber the SMs, K tiles of 128 wherever their four
+    stages let all of an SM's programs stay resident together: 256-wide ones left Phi-3's QKV (three programs an SM)
+    16% slower and DeepSeek-V4's grouped output projection (two an SM) a third slower, and cost Llama's QKV (one or
+    two an SM) under 3%. Else 256: an LM head's thousands of programs run in waves whatever the tile. Phi-3's 3072
+    columns took 16 columns a program up to session 14, which left its o_proj and down_proj a third slower."""
     block_n = 32 if n >= 2048 or rows > 8 else 16
     # Past 16 rows (which the product hands to cuBLAS; scripts/tiles.py times the kernel there, to find where it
     # should take over): one 64-row x tile, whose K tiles of 128 keep three stages within shared memory
@@ -71,11 +71,8 @@ def tile_config(n: int, k: int, device: torch.device, rows: int = 1, itemsize: i
         return dict(BLOCK_M=MAX_BLOCK_M, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=3)
     stages = 4
     per_sm = triton.cdiv(triton.cdiv(n, block_n), multiprocessor_count(device))  # programs an SM holds in one wave
-
-    def resident(block_k: int) -> bool:
-        return per_sm * stages * (16 + block_n) * block_k * itemsize <= shared_memory_per_multiprocessor(device)
-
-    block_k = 512 if k >= 4 * 512 and per_sm == 1 else 128 if resident(128) and not resident(256) else 256
+    resident = per_sm * stages * (16 + block_n) * 128 * itemsize <= shared_memory_per_multiprocessor(device)
+    block_k = 512 if k >= 4 * 512 and per_sm == 1 else 128 if per_sm > 1 and resident else 256
     return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
 
 

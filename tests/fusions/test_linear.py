@@ -58,17 +58,20 @@ def test_bf16(request):
 
 
 def test_k_tiles_keep_every_program_resident(request, monkeypatch):
-    """On the H200's 132 SMs: Phi-3's QKV (288 programs, three an SM) takes 128-wide K tiles, whose four stages fit
-    three programs an SM where 256-wide ones would not; one program an SM over a long K takes 512; an LM head's
-    thousands of programs keep 256. The 128-wide path computes the same product (bf16, 5 programs an SM of 4)."""
+    """On the H200's 132 SMs: where programs outnumber the SMs, 128-wide K tiles, whose four stages keep all of an
+    SM's programs resident (Phi-3's QKV, three an SM; DeepSeek-V4's grouped output projection, two); one program an
+    SM over a long K takes 512; an LM head's thousands of programs, which no tile keeps resident, 256. The 128-wide
+    path computes the same product (bf16, 5 programs an SM of 4 SMs, on the GPU too)."""
     monkeypatch.setattr(linear_module, "multiprocessor_count", lambda device: 132)
     cuda_like = torch.device("cpu")
     qkv = linear_module.tile_config(9216, 3072, cuda_like, rows=16)
     assert qkv["BLOCK_K"] == 128
     assert 3 * qkv["num_stages"] * (16 + qkv["BLOCK_N"]) * qkv["BLOCK_K"] * 2 <= 228 * 1024
+    assert linear_module.tile_config(8 * 1024, 4096, cuda_like)["BLOCK_K"] == 128
     assert linear_module.tile_config(3072, 8192, cuda_like)["BLOCK_K"] == 512
     assert linear_module.tile_config(128256, 2048, cuda_like)["BLOCK_K"] == 256
-    monkeypatch.undo()
+    monkeypatch.setattr(linear_module, "multiprocessor_count", lambda device: 4)
+    monkeypatch.setattr(linear_module, "shared_memory_per_multiprocessor", lambda device: 228 * 1024)
     assert linear_module.tile_config(300, 600, torch.device(SMALL_DEVICE))["BLOCK_K"] == 128
     check(*make_inputs(seed_of(request), (1,), 600, 300, torch.bfloat16, SMALL_DEVICE, bias=False))
 
