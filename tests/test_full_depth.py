@@ -21,7 +21,7 @@ from optiq.measure.roofline import floor_ms_per_step
 from optiq.models import PUBLISHED, load_config, load_model, random_model
 from optiq.profiling.capture import profile_step
 from optiq.record import DepthPoint, FullDepth, Row, Workload
-from optiq.report import depth_tables, render_markdown, report_document
+from optiq.report import depth_tables, render_html, render_markdown, report_document
 from optiq.traces.attribution import NO_LAYER, attribute
 
 TINY = "tiny-deepseek-v4-flash"
@@ -142,7 +142,9 @@ def test_the_record_refuses_a_floor_keyed_by_no_concurrency(bench_json):
 
 def test_the_report_holds_the_per_layer_and_whole_model_tables(bench_json):
     run = record.from_json(saved_record(bench_json[0]))
-    text = render_markdown(report_document(run))
+    doc = report_document(run)
+    text = render_markdown(doc)
+    assert "<h2>Whole model: a tiny DeepSeek-V4, 7 layers, extrapolated from 2</h2>" in render_html(doc)
     assert "## Per layer (eager): CPU self time, ms per layer" in text
     assert "## Whole model: a tiny DeepSeek-V4, 7 layers, extrapolated from 2" in text
     assert f"| {HCA} / moe | 0 of 2 | — | — |" in text and f"its 2 counted at {HCA} / hash_moe's time" in text
