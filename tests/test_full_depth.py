@@ -194,3 +194,17 @@ def test_a_model_that_is_no_truncated_preset_shows_nothing_new(tmp_path, monkeyp
     saved = json.loads((run_dir / "results.json").read_text())
     assert saved["full_depth"] is None and saved["attribution_before"] == {}  # not profiled, as before
     assert not list(run_dir.glob("trace_*"))
+
+
+def test_the_fused_model_is_profiled_and_extrapolated_beside_the_model(tmp_path):
+    """bench --recipes: the whole model of optiq's fused preset too, from its own profile after the gate."""
+    result = run_cli("bench", "--model", TINY, *FAST, "--recipes", "rmsnorm", "--gate-steps", "4", "--json",
+                     "--runs-dir", str(tmp_path / "runs"))
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["fusion"]["applied"] == ["rmsnorm"]
+    assert [(p["variant"], p["concurrency"]) for p in doc["full_depth"]["points"]] == [
+        ("eager", 1), ("eager", 2), ("optiq+eager", 1), ("optiq+eager", 2)]
+    assert set(doc["attribution_after"]) == {"1", "2"} and doc["full_depth"]["not_profiled"] == []
+    fused = {r["concurrency"]: r["ms_per_step"] for r in doc["after"]}
+    assert all(p["measured_ms"] == fused[p["concurrency"]] for p in doc["full_depth"]["points"][2:])
