@@ -129,9 +129,9 @@ def run(job: Job, record: RunRecord, run_dir: Path, hooks: Hooks = Hooks()) -> N
     variants.append((job.mode, job.mode, None))
     if "compile" in job.peers:
         variants.append((compile_variant(job.mode), job.mode, compiled_forward(model)))
-    if job.model in PUBLISHED:
-        with hooks.status(f"counting the floor of {PUBLISHED[job.model].name} at full depth"):
-            record.full_depth = full_depth(job.model, model, job.concurrencies, job.workload, bandwidth)
+    if (published := PUBLISHED.get(job.model)) is not None:
+        with hooks.status(f"counting the floor of {published.name} at full depth"):
+            record.full_depth = full_depth(published, model, job.concurrencies, job.workload, bandwidth)
         record.full_depth.not_profiled = [name for name, _, _ in variants if name != job.mode]
         job = replace(job, profile=True)  # the whole model is extrapolated from the profiles of the preset's layers
     hooks.save(record)

@@ -44,7 +44,7 @@ def test_the_full_depth_floor_is_the_floor_of_the_deeper_model_built():
     """Counted on the meta device, the published config's floor is the one its model, built with weights on the CPU,
     has: the same roofline, the same bytes."""
     model = load_model(TINY, torch.float32, torch.device("cpu"))
-    found = depth.full_depth(TINY, model, [1, 2, 64], WORKLOAD, BANDWIDTH)
+    found = depth.full_depth(PUBLISHED[TINY], model, [1, 2, 64], WORKLOAD, BANDWIDTH)
     built = random_model(PUBLISHED[TINY].config(), torch.float32, torch.device("cpu"))
     assert found.layers == 7 and found.measured_layers == 2
     for c in (1, 2, 64):
@@ -55,10 +55,8 @@ def test_the_full_depth_floor_is_the_floor_of_the_deeper_model_built():
         (f"{HCA} / hash_moe", 3, 1, ""), (f"{CSA} / moe", 2, 1, ""), (f"{HCA} / moe", 2, 0, f"{HCA} / hash_moe")]
 
 
-def test_no_other_model_has_a_full_depth():
-    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
-    assert depth.full_depth("tiny-llama", model, [1], WORKLOAD, BANDWIDTH) is None
-    assert depth.layer_kinds(model.config) == [depth.ALIKE] * 2
+def test_a_config_without_per_layer_kinds_has_layers_of_one_kind():
+    assert depth.layer_kinds(load_config("tiny-llama")) == [depth.ALIKE] * 2
 
 
 def test_a_kind_the_preset_lacks_stands_in_by_attention_type_first():
@@ -72,7 +70,7 @@ def profiled(tmp_path_factory):
     """tiny-deepseek-v4-flash profiled at C = 2 as bench profiles it, by layer, and its full depth."""
     model = load_model(TINY, torch.float32, torch.device("cpu"))
     trace = profile_step(model, 2, WORKLOAD.prompt_len, WORKLOAD.max_len, "eager", tmp_path_factory.mktemp("p"), 2)
-    return model, attribute([trace], "layer"), depth.full_depth(TINY, model, [2], WORKLOAD, BANDWIDTH)
+    return model, attribute([trace], "layer"), depth.full_depth(PUBLISHED[TINY], model, [2], WORKLOAD, BANDWIDTH)
 
 
 def test_the_whole_model_is_outside_plus_each_kinds_layers_at_their_mean_scaled_to_the_timed_step(profiled):

@@ -8,7 +8,8 @@ the published model takes what the preset's layers of its kind took on average. 
 ops) only, not the gaps between them, and adds the profiler's cost, so its times are scaled by the timed step over
 the profiled one: the estimate is a wall-clock step, comparable with the throughput table. The floor is the
 roofline's (``optiq.measure.roofline``) on the published config built on the meta device: every byte is counted and
-none is allocated.
+none is allocated. In graph mode a layer's kernels are those the replay's alignment with the eager step placed
+(``traces.attribution``); a kernel it could not place counts outside the layers, once rather than per layer.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from optiq.errors import OptiqError, first_line
 from optiq.measure.roofline import floor_ms_per_step
-from optiq.models import PUBLISHED
+from optiq.models import Published
 from optiq.record import DepthPoint, FullDepth, LayerKind, Row, Workload
 from optiq.traces.attribution import NO_LAYER, Attribution
 from optiq.zoo import config_value
@@ -58,13 +59,10 @@ def meta_model(config, dtype: torch.dtype) -> torch.nn.Module:
                          f"{first_line(exc)}") from None
 
 
-def full_depth(spec: str, model: torch.nn.Module, concurrencies: list[int], workload: Workload,
-               bandwidth: float) -> FullDepth | None:
-    """For a preset that stands for a deeper published model: that model's layer kinds against the preset's, and
-    its floor at each concurrency; None for any other model."""
-    published = PUBLISHED.get(spec)
-    if published is None:
-        return None
+def full_depth(published: Published, model: torch.nn.Module, concurrencies: list[int], workload: Workload,
+               bandwidth: float) -> FullDepth:
+    """What ``model``, a preset of some of ``published``'s layers, is measured against: that model's layer kinds
+    beside the preset's, and its floor at each concurrency."""
     config = published.config()
     full = meta_model(config, next(model.parameters()).dtype)
     kinds, measured = layer_kinds(config), Counter(layer_kinds(model.config))
