@@ -29,16 +29,26 @@ import stat
 import struct
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 from transformers import (CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DeepseekV2Config, DeepseekV4Config,
-                          Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig)
+                          Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, PretrainedConfig, Qwen3Config,
+                          Qwen3MoeConfig)
 
 from optiq import zoo
 from optiq.errors import OptiqError, first_line
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
+
+# DeepSeek-V4's parts at widths a CPU runs in seconds: windows small enough (2 and 4 tokens) that a short prompt
+# closes several and the indexer keeps 4 of them.
+_TINY_V4 = dict(
+    hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32, q_lora_rank=48, o_groups=2,
+    o_lora_rank=40, n_routed_experts=8, num_experts_per_tok=2, index_n_heads=3, index_head_dim=16, index_topk=4,
+    sliding_window=8, vocab_size=256, max_position_embeddings=2048,
+    compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4})
 
 PRESETS = {
     # For tests: seconds on a CPU, same code paths as the real architectures.
@@ -55,15 +65,17 @@ PRESETS = {
         num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
         vocab_size=256, max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-    # DeepSeek-V4's parts at widths a CPU runs in seconds: one layer of each attention type, hash and learned routing,
-    # windows small enough (2 and 4 tokens) that a short prompt closes several and the indexer keeps 4 of them.
+    # One layer of each of DeepSeek-V4's attention types, hash and learned routing.
     "tiny-deepseek-v4": lambda: DeepseekV4Config(
-        hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, head_dim=32,
-        q_lora_rank=48, o_groups=2, o_lora_rank=40, n_routed_experts=8, num_experts_per_tok=2, index_n_heads=3,
-        index_head_dim=16, index_topk=4, sliding_window=8, vocab_size=256, max_position_embeddings=2048,
+        **_TINY_V4, num_hidden_layers=3,
         layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"],
-        mlp_layer_types=["hash_moe", "moe", "moe"],
-        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}),
+        mlp_layer_types=["hash_moe", "moe", "moe"]),
+    # deepseek-v4-flash's relation to its published model at tiny-deepseek-v4's widths, for the tests of the
+    # whole-model estimate: 2 of the 7 layers DeepseekV4Config lays out by default (PUBLISHED), one kind of the
+    # seven's (heavily compressed attention with learned routing) missing from the two.
+    "tiny-deepseek-v4-flash": lambda: DeepseekV4Config(
+        **_TINY_V4, num_hidden_layers=2, layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe"]),
     # Shapes of Qwen/Qwen3-0.6B.
     "qwen3-0.6b": lambda: Qwen3Config(
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -119,6 +131,22 @@ PRESETS = {
     "deepseek-v4-flash": lambda: DeepseekV4Config(
         num_hidden_layers=6, layer_types=["heavily_compressed_attention", "compressed_sparse_attention"] * 3,
         mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3),
+}
+
+
+class Published(NamedTuple):
+    """The published model a preset stands for where the preset holds only some of its layers: its name, and its
+    config at full depth (the preset's widths, the model's own layer mix)."""
+    name: str
+    config: Callable[[], PretrainedConfig]
+
+
+# Presets that hold some of a deeper published model's layers: bench measures the preset, profiles its layers and
+# extrapolates the step to the published depth beside that model's floor (optiq.measure.depth).
+PUBLISHED = {
+    "deepseek-v4-flash": Published("DeepSeek-V4-Flash", DeepseekV4Config),  # its defaults: 43 layers, 23 HCA + 20 CSA
+    "tiny-deepseek-v4-flash": Published("a tiny DeepSeek-V4",
+                                        lambda: DeepseekV4Config(**_TINY_V4, num_hidden_layers=7)),
 }
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,

@@ -48,6 +48,11 @@ class Workload:
     max_len: int = 1024  # static KV-cache positions
     repeats: int = 3
 
+    @property
+    def mean_length(self) -> float:
+        """The positions a sequence holds on average over the timed steps: the floor's cache length."""
+        return self.prompt_len + (self.new_tokens + 1) / 2
+
 
 @dataclass
 class Row:
@@ -189,6 +194,48 @@ class Fusion:
 
 
 @dataclass
+class LayerKind:
+    """One kind of layer of a published model (its layer_types entry and mlp_layer_types entry, "heavily_compressed_
+    attention / hash_moe"): how many layers of it the model has and the preset holds, and for a kind the preset
+    lacks the measured kind whose time stands in for it (the nearest by attention type)."""
+    kind: str
+    layers: int  # in the published model
+    measured: int  # of the preset's layers, profiled
+    stand_in: str = ""
+
+
+@dataclass
+class DepthPoint:
+    """One profiled variant at one concurrency, extrapolated to the published depth. The profile's times (of the
+    trace's time unit) are scaled to the wall clock by ``scale``, the timed step over the profiled one."""
+    variant: str
+    concurrency: int
+    outside_ms: float  # profiled time outside every layer: embedding, final norm and head, LM head, sampling
+    ms_per_layer: dict[str, float]  # the mean profiled time of one layer, per kind the preset holds
+    profiled_ms: float  # outside + every profiled layer: the preset's step as profiled
+    measured_ms: float  # the preset's timed step (the throughput row)
+    scale: float  # measured_ms / profiled_ms
+    ms_per_step: float  # (outside + sum over the published kinds of layers x ms per layer) x scale
+    tok_per_s: float
+    pct_of_floor: float  # of the published model's floor
+
+
+@dataclass
+class FullDepth:
+    """What a preset that holds ``measured_layers`` of a published model's ``layers`` says of the whole model: the
+    floor of its full config (the same roofline, computed on the meta device) and, per profiled variant and
+    concurrency, its step extrapolated from the preset's profiled layers (``DepthPoint``)."""
+    published: str  # the model's name
+    layers: int
+    measured_layers: int
+    kinds: list[LayerKind]
+    floor_ms_per_step: dict[str, float]  # per concurrency, of the published model
+    points: list[DepthPoint] = field(default_factory=list)
+    time_unit: str = ""  # what the profiles timed (GPU time, or CPU self time without a GPU)
+    not_profiled: list[str] = field(default_factory=list)  # measured variants optiq's profiler does not run
+
+
+@dataclass
 class RunRecord:
     """A run of ``apply-fusion`` or ``bench``. ``before`` holds the rows of the model as loaded (and of its peers),
     ``after`` those of the fused model; ``attribution_*`` the op-class tables of its profiles, per concurrency
@@ -208,6 +255,7 @@ class RunRecord:
     attribution_before: dict[str, dict] = field(default_factory=dict)
     attribution_after: dict[str, dict] = field(default_factory=dict)
     mode_note: str = ""  # why the run is in eager mode where graph mode was asked for
+    full_depth: FullDepth | None = None  # a preset of some of a published model's layers: the whole model
     schema: int = SCHEMA_VERSION
 
     @property
@@ -294,12 +342,14 @@ def _check_attribution(attribution: dict[str, dict], where: str) -> None:
 
 
 def _check(record: RunRecord, where: str) -> None:
-    """What the types alone do not say: a known status, per-concurrency keys, attributions the report can read, a
-    compile worker's engine of three sizes."""
+    """What the types alone do not say: a known status, per-concurrency keys (the full depth's floors too),
+    attributions the report can read, a compile worker's engine of three sizes."""
     if record.status not in STATUSES:
         raise OptiqError(f"{where}.status: expected one of {', '.join(STATUSES)}, not {record.status!r:.60}")
     for name in ("attribution_before", "attribution_after"):
         _check_attribution(getattr(record, name), f"{where}.{name}")
+    if record.full_depth is not None:
+        _concurrency_keys(record.full_depth.floor_ms_per_step, f"{where}.full_depth.floor_ms_per_step")
     if record.fusion is not None:
         _concurrency_keys(record.fusion.proposals, f"{where}.fusion.proposals")
         for i, child in enumerate(record.fusion.compile_ahead):

@@ -360,6 +360,47 @@ def savings_table(run: RunRecord) -> Table:
                        "the measured rows are the whole set's")
 
 
+OUTSIDE_LAYERS = "(outside the layers)"  # the per-layer table's row of the step's time outside every layer
+
+
+def depth_tables(run: RunRecord) -> list[Table]:
+    """A truncated preset's whole model (``RunRecord.full_depth``): per profiled variant the mean time of a layer of
+    each of the published model's kinds, then that model's step extrapolated from them; none for another model."""
+    depth = run.full_depth
+    if depth is None:
+        return []
+    unit = depth.time_unit or "profiled time"
+    variants = list(dict.fromkeys(p.variant for p in depth.points))
+    points = sorted(depth.points, key=lambda p: (variants.index(p.variant), p.concurrency))
+    layers_note = "; ".join([
+        f"layers = the preset's profiled layers of the kind, of {depth.published}'s {depth.layers}",
+        *[f"{k.kind}: none of the {depth.measured_layers} profiled layers, its {k.layers} counted at {k.stand_in}'s "
+          "time (the nearest by attention type)" for k in depth.kinds if k.stand_in]])
+    tables = []
+    for variant in variants:
+        mine = [p for p in points if p.variant == variant]
+        rows = [[k.kind, f"{k.measured} of {k.layers}",
+                 *[_fmt(None if k.stand_in else p.ms_per_layer.get(k.kind), ".3f") for p in mine]]
+                for k in depth.kinds]
+        rows.append([OUTSIDE_LAYERS, "", *[_fmt(p.outside_ms, ".3f") for p in mine]])
+        tables.append(Table(f"Per layer ({variant}): {unit}, ms per layer",
+                            ["layer kind", "layers", *[_c_label(p.concurrency) for p in mine]], rows, layers_note))
+    rows = [[p.variant, str(p.concurrency), _fmt(p.tok_per_s), _fmt(p.ms_per_step, ".3f"),
+             _fmt(depth.floor_ms_per_step.get(str(p.concurrency)), ".3f"),
+             RATIO_NOT_MEANINGFUL if run.smoke else _fmt(p.pct_of_floor), _fmt(p.scale, ".2f", "×")] for p in points]
+    note = (f"an extrapolation from {depth.measured_layers} of {depth.layers} layers, not a measurement: ms/step = "
+            f"(outside the layers + each kind's layers × its ms per layer) × scale, the timed step over its profile "
+            f"({unit}); floor = {depth.published}'s bytes per step over the copy bandwidth")
+    if run.smoke:
+        note += f"; % of floor {NOT_MEANINGFUL}: smoke numbers"
+    if depth.not_profiled:
+        note += f"; not profiled, so not extrapolated: {', '.join(depth.not_profiled)}"
+    tables.append(Table(f"Whole model: {depth.published}, {depth.layers} layers, extrapolated from "
+                        f"{depth.measured_layers}", ["variant", "C", "tok/s", "ms/step", "floor ms", "% of floor",
+                                                     "scale"], rows, note))
+    return tables
+
+
 def _series(rows: dict[int, Row], key: str) -> dict[int, float]:
     return {c: getattr(r, key) for c, r in rows.items() if r.status == "ok" and getattr(r, key) is not None}
 
@@ -521,7 +562,7 @@ def report_document(run: RunRecord) -> Document:
     stack = _stack([("before", run.attribution_before, before), ("after", run.attribution_after, after)],
                    _concurrencies(run))
     gate = [gate_table(run), end_to_end_table(run)] if run.fusion is not None else []
-    tables = [*gate, headline_table(run), savings_table(run), proposals_table(run)]
+    tables = [*gate, headline_table(run), *depth_tables(run), savings_table(run), proposals_table(run)]
     return Document(f"optiq {run.command}: {_describe(run)}", facts, tables,
                     [*_throughput_plots(runs, "bandwidth floor", before or after, run.smoke), stack],
                     smoke_notice(run), lead=len(gate) + 1)

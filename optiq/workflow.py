@@ -32,13 +32,14 @@ from optiq.errors import NothingApplies
 from optiq.gate import GatePlan, Validation, validate
 from optiq.gate.mutants import verify
 from optiq.measure import environment
+from optiq.measure.depth import depth_point, full_depth, layer_kinds
 from optiq.measure.roofline import copy_bandwidth
 from optiq.measure.sweep import compiled_forward, free_memory, sweep
-from optiq.models import load_model
+from optiq.models import PUBLISHED, load_model
 from optiq.patching import Patches, apply, broken, unpatch
 from optiq.profiling.capture import profile_step
-from optiq.record import Fusion, RecipeVerdict, Row, RunRecord, Workload, compile_variant
-from optiq.traces.attribution import attribute, weighted_kernels
+from optiq.record import Fusion, FullDepth, RecipeVerdict, Row, RunRecord, Workload, compile_variant
+from optiq.traces.attribution import Attribution, attribute, weighted_kernels
 
 PROFILED_STEPS = 2  # decode steps profiled per concurrency for the proposals and the report
 
@@ -59,7 +60,8 @@ class Job:
     recipes_dirs: tuple[str, ...] = ()  # where the catalog's user recipes came from (the compile workers load it)
     gate_steps: int = 64
     min_share: float = 0.25  # auto: the least share of the step (in %) a proposal must cover
-    profile: bool = False  # profile the model before and after fusing, for the report (else only for auto)
+    profile: bool = False  # profile the model before and after fusing, for the report (else only for auto); a
+    # truncated preset is always profiled: its whole model is extrapolated from the profiles (optiq.measure.depth)
     mutants: bool = False  # gate the mutants of each chosen recipe's kernel first (optiq.gate.mutants)
 
 
@@ -85,6 +87,11 @@ class Hooks:
         SweepProgress())
     note: Callable[[str], None] = lambda line: None
     step: Callable[[str], None] = lambda line: None
+
+
+def fused_variant(mode: str) -> str:
+    """The variant name of optiq's fused model's rows in engine ``mode``."""
+    return f"optiq+{mode}"
 
 
 def new_record(job: Job) -> RunRecord:
@@ -118,12 +125,19 @@ def run(job: Job, record: RunRecord, run_dir: Path, hooks: Hooks = Hooks()) -> N
             hooks.note(record.mode_note)
     bandwidth = copy_bandwidth(job.device)
     record.bandwidth_gb_s = bandwidth / 1e9
-    hooks.save(record)
     variants = [("eager", "eager", None)] if "eager" in job.peers and job.mode != "eager" else []
     variants.append((job.mode, job.mode, None))
     if "compile" in job.peers:
         variants.append((compile_variant(job.mode), job.mode, compiled_forward(model)))
+    if (published := PUBLISHED.get(job.model)) is not None:
+        with hooks.status(f"counting the floor of {published.name} at full depth"):
+            record.full_depth = full_depth(published, model, job.concurrencies, job.workload, bandwidth)
+        record.full_depth.not_profiled = [name for name, _, _ in variants if name != job.mode]
+        job = replace(job, profile=True)  # the whole model is extrapolated from the profiles of the preset's layers
+    hooks.save(record)
     _measure(job, model, variants, bandwidth, record.before, record, hooks, job.model)
+    if job.profile and not job.requested:  # a fusing run profiles the model on its way to the proposals
+        _profile(job, model, "before", record.attribution_before, record, run_dir, hooks)
     if job.requested:
         try:
             _fuse_and_measure(job, model, bandwidth, record, run_dir, hooks)
@@ -193,7 +207,7 @@ def _fuse_and_measure(job: Job, model, bandwidth: float, record: RunRecord, run_
             _nothing_applies(record.fusion.not_applicable)
         record.status = "rejected"
         return
-    _measure(job, model, [(f"optiq+{job.mode}", job.mode, None)], bandwidth, record.after, record, hooks,
+    _measure(job, model, [(fused_variant(job.mode), job.mode, None)], bandwidth, record.after, record, hooks,
              f"{job.model} optiq")
     record.fusion.timings.capture_s = sum(r.warmup_s or 0.0 for r in record.after)
     hooks.save(record)
@@ -238,19 +252,37 @@ def _measure(job: Job, model, variants, bandwidth: float, rows: list[Row], recor
 
 def _profile(job: Job, model, state: str, attribution: dict, record: RunRecord, run_dir: Path,
              hooks: Hooks) -> dict:
-    """The model profiled at every concurrency: its op-class tables into ``attribution``, and the per-step weighted
-    kernel tables the proposals are made from."""
+    """The model profiled at every concurrency its sweep measured (one that ran out of memory there is not tried
+    again): its op-class tables into ``attribution``, for a truncated preset the whole model's step extrapolated
+    from the same profile (``_extrapolate``), and the per-step weighted kernel tables the proposals are made from."""
+    variant, rows = (job.mode, record.before) if state == "before" else (fused_variant(job.mode), record.after)
+    measured = {row.concurrency: row for row in rows if row.variant == variant and row.status == "ok"}
     kernels = {}
-    for batch in job.concurrencies:
+    for batch in (c for c in job.concurrencies if c in measured):
         with hooks.status(f"profiling {job.model} C={batch} ({state})"):
             trace = profile_step(model, batch, job.workload.prompt_len, job.workload.max_len, job.mode,
                                  run_dir, PROFILED_STEPS, f"{state}_")
         table = attribute([trace], "class")
         attribution[str(batch)] = {"summary": table.summary, "table": table.table.to_dict(orient="records")}
+        if record.full_depth is not None:
+            _extrapolate(record.full_depth, attribute([trace], "layer"), model, measured[batch], hooks)
         kernels[batch] = weighted_kernels([trace])
         hooks.save(record)
         free_memory()
     return kernels
+
+
+def _extrapolate(depth: FullDepth, layers: Attribution, model, row: Row, hooks: Hooks) -> None:
+    """The whole model's step at ``row``'s point, from the preset's profile by layer, into ``depth``, told as a
+    step line."""
+    point = depth_point(depth, layers, layer_kinds(model.config), row)
+    depth.time_unit = layers.summary["time_unit"]
+    if point is None:
+        return
+    depth.points.append(point)
+    hooks.step(f"{depth.published} ({depth.layers} layers, extrapolated from {depth.measured_layers}): "
+               f"{row.variant} C={row.concurrency} {point.ms_per_step:.3f} ms/step, {point.tok_per_s:,.1f} tok/s, "
+               f"{point.pct_of_floor:.1f}% of its floor")
 
 
 def fuse(model: torch.nn.Module, catalog: dict[str, Recipe], names: list[str], record: RunRecord, plan: GatePlan,

@@ -22,6 +22,10 @@ recorded as such and the sweep goes on. Results are written to a new run directo
 every point; Ctrl-C keeps what was measured and marks it incomplete. Exit code 3 when the gate rejects every recipe,
 4 when no recipe applies to the model. On a CPU the numbers say nothing about a GPU (and the fused model's kernels
 run under Triton's interpreter: its ratios are shown as n/m); --json says so in timing_note.
+
+A preset that holds some of a deeper published model's layers (deepseek-v4-flash: 6 of DeepSeek-V4-Flash's 43) is
+also profiled at every point of the model and of optiq's fused model: the tables then add its layers' mean time by
+kind and the whole model's step extrapolated from them, beside the whole model's floor (full_depth in the record).
 """
 
 
@@ -43,7 +47,8 @@ run under Triton's interpreter: its ratios are shown as n/m); --json says so in 
                    "(what its timings mean), then the run record of results.json.")
 def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_len, repeats, mode, compare, requested,
           recipes_dir, gate_steps, min_share, mutants, runs_dir, wide, as_json):
-    from optiq.commands.views import fusion_summary, results_table
+    from optiq.commands.views import fusion_summary, results_table, rich_table
+    from optiq.report import depth_tables
 
     record, run, _, device = run_job("bench", model_spec, dtype, device, mode, concurrency, prompt_len, new_tokens,
                                      max_len, repeats, compare, requested, recipes_dir, gate_steps, min_share, runs_dir,
@@ -60,6 +65,8 @@ def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_le
                                 f"{record.workload.new_tokens} new tokens · {record.environment.device} · copy roof "
                                 f"{record.bandwidth_gb_s:,.0f} GB/s", wide,
                                 interpreted={r.variant for r in record.after} if note else ()))
+        for table in depth_tables(record):
+            out.print(rich_table(table, wide))
         if note:
             out.print(f"note: {note}")
         out.print(f"run directory: {visible(run.path)}")

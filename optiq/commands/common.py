@@ -98,9 +98,9 @@ def _device(text: str):
 
 # optiq.models.PRESETS' names, for --help without importing torch and transformers (seconds) to list them; a test
 # holds the two equal.
-PRESET_NAMES = ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-deepseek-v4", "qwen3-0.6b", "llama-3.2-1b",
-                "llama-3.1-8b", "qwen3-30b-a3b", "gemma-3-1b", "phi-3-mini", "mistral-7b", "deepseek-v2-lite",
-                "deepseek-v4-flash")
+PRESET_NAMES = ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-deepseek-v4", "tiny-deepseek-v4-flash",
+                "qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b", "qwen3-30b-a3b", "gemma-3-1b", "phi-3-mini", "mistral-7b",
+                "deepseek-v2-lite", "deepseek-v4-flash")
 
 # Workload W1 on a GPU; a small one on the CPU, where the fusions run under Triton's interpreter.
 WORKLOADS = {"cuda": {"concurrency": "1,16,64", "prompt_len": 512, "new_tokens": 128, "max_len": 1024},

@@ -68,8 +68,7 @@ def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: 
 
         repeats = time_repeats(engine.step, reset, workload.new_tokens, workload.repeats, device)
     ms_per_step = statistics.median(repeats) * 1e3
-    mean_length = workload.prompt_len + (workload.new_tokens + 1) / 2
-    floor_ms = floor_ms_per_step(model, batch, mean_length, bandwidth)
+    floor_ms = floor_ms_per_step(model, batch, workload.mean_length, bandwidth)
     return Row(
         variant=variant or mode, mode=mode, concurrency=batch, status="ok",
         tok_per_s=batch / ms_per_step * 1e3,
