@@ -183,9 +183,13 @@ def _decode_attention_combine_kernel(
     tl.store(out_ptr + row * head_dim + cols, out, mask=col_mask)
 
 
-def _launch_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, device: torch.device,
-                   num_splits: int | None) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, split_len, num_splits, num_warps, num_stages) from shapes alone, never from `lengths`' values.
+TILE_GRID = [dict(BLOCK_N=n, SPLITS=splits, num_warps=w, num_stages=st)  # what scripts/tiles.py times
+             for n in (32, 64, 128) for splits in (1, 2, 4) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def tile_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, device: torch.device) -> dict:
+    """BLOCK_N (positions a tile), SPLITS (programs a sequence's KV head is split over), num_warps and num_stages,
+    from shapes alone, never from `lengths`' values.
 
     A K or V tile of ~16 KB (64 positions at D=128) keeps loads 16-byte wide. Splits are added until there is
     about one program per SM, so B=1 still spreads the cache over the chip while large batches pay no combine
@@ -195,15 +199,17 @@ def _launch_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, d
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = min(max(8192 // block_d, 32), 128, max(16, triton.next_power_of_2(max_len)))
-    num_blocks = triton.cdiv(max_len, block_n)
     num_sms = multiprocessor_count(device)
-    if num_splits is None:
-        num_splits = triton.cdiv(num_sms, batch * num_kv_heads)
-    num_splits = max(1, min(num_splits, num_blocks))
-    blocks_per_split = triton.cdiv(num_blocks, num_splits)
-    num_splits = triton.cdiv(num_blocks, blocks_per_split)
-    num_stages = 3 if batch * num_kv_heads * num_splits < 2 * num_sms else 2
-    return block_n, blocks_per_split * block_n, num_splits, 4, num_stages
+    splits = triton.cdiv(num_sms, batch * num_kv_heads)
+    num_stages = 3 if batch * num_kv_heads * splits < 2 * num_sms else 2
+    return dict(BLOCK_N=block_n, SPLITS=splits, num_warps=4, num_stages=num_stages)
+
+
+def _splits(max_len: int, block_n: int, splits: int) -> tuple[int, int]:
+    """(split_len, splits): whole tiles a split, as many splits as that leaves (at most one a tile)."""
+    num_blocks = triton.cdiv(max_len, block_n)
+    blocks_per_split = triton.cdiv(num_blocks, max(1, min(splits, num_blocks)))
+    return blocks_per_split * block_n, triton.cdiv(num_blocks, blocks_per_split)
 
 
 @torch.library.triton_op("optiq::decode_attention", mutates_args=())
@@ -218,8 +224,9 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     torch._check(q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1,
                  lambda: "head_dim must be the innermost, unit-stride axis")
     group_size = num_q_heads // num_kv_heads
-    block_n, split_len, splits, num_warps, num_stages = _launch_config(batch, num_kv_heads, max_len, head_dim,
-                                                                       q.device, num_splits)
+    config = tile_config(batch, num_kv_heads, max_len, head_dim, q.device)
+    block_n, num_warps, num_stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
+    split_len, splits = _splits(max_len, block_n, num_splits or config["SPLITS"])
     block_d = max(16, triton.next_power_of_2(head_dim))
 
     partial_out = torch.empty((batch, num_q_heads, splits, head_dim), device=q.device, dtype=torch.float32)

@@ -9,8 +9,8 @@
 #                  table in one run (PEERS defaults to eager,compile; PEERS=compile leaves out HF eager; ROW_C
 #                  sets the concurrencies, 1,16,64 by default)
 #   bench:F[,F]    scripts/bench_fusions.py for those fusions (e.g. bench:moe_experts,mla_decode) into $OUT
-#   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear) under fixed tile configs against its heuristic,
-#                  at TILES_ROWS rows (default 1,16,64)
+#   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear, decode_attention) under fixed tile configs
+#                  against its heuristic, at TILES_ROWS rows (default 1,16,64)
 #   gpu-tests:F[,F]  the GPU tests of those fusions only
 #   pytest:T[,T]   those test files (paths under tests/), GPU tests included
 #   verify:MODEL   optiq recipes verify --mutants --model MODEL at W1's gate (C=${VERIFY_C:-1,16,64}, prompt 512,

@@ -1,8 +1,8 @@
 """Time a fusion under the fixed tile configs of its TILE_GRID against its shape heuristic (tile_config), at decode
 row counts of its benchmark cases, on a GPU: which tiles keep HBM busiest with few rows (and the eager path
 it replaces, timed the same way).
-Usage: python scripts/tiles.py FUSION OUT.json [ROWS]   (FUSION: moe_experts, linear; ROWS e.g. 1,16,64, the
-default). A config the GPU cannot run (too much shared memory) is reported and skipped."""
+Usage: python scripts/tiles.py FUSION OUT.json [ROWS]   (FUSION: moe_experts, linear, decode_attention; ROWS e.g.
+1,16,64, the default). A config the GPU cannot run (too much shared memory) is reported and skipped."""
 
 import importlib
 import json
