@@ -205,7 +205,7 @@ def tile_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, devi
     return dict(BLOCK_N=block_n, SPLITS=splits, num_warps=4, num_stages=num_stages)
 
 
-def _splits(max_len: int, block_n: int, splits: int) -> tuple[int, int]:
+def split_layout(max_len: int, block_n: int, splits: int) -> tuple[int, int]:
     """(split_len, splits): whole tiles a split, as many splits as that leaves (at most one a tile)."""
     num_blocks = triton.cdiv(max_len, block_n)
     blocks_per_split = triton.cdiv(num_blocks, max(1, min(splits, num_blocks)))
@@ -226,7 +226,7 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     group_size = num_q_heads // num_kv_heads
     config = tile_config(batch, num_kv_heads, max_len, head_dim, q.device)
     block_n, num_warps, num_stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
-    split_len, splits = _splits(max_len, block_n, num_splits or config["SPLITS"])
+    split_len, splits = split_layout(max_len, block_n, num_splits or config["SPLITS"])
     block_d = max(16, triton.next_power_of_2(head_dim))
 
     partial_out = torch.empty((batch, num_q_heads, splits, head_dim), device=q.device, dtype=torch.float32)

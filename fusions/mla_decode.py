@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from optiq.fusions.decode_attention import (LOG2E, _decode_attention_combine_kernel, _launch_config,
-                                            online_softmax_step, split_bounds, split_result)
+from optiq.fusions.decode_attention import (LOG2E, _decode_attention_combine_kernel, online_softmax_step,
+                                            split_bounds, split_layout, split_result, tile_config)
 from optiq.fusions.launch import launch_options, wait_for_predecessor
 
 
@@ -94,7 +94,9 @@ def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, c_cache: torch.Tenso
     torch._check(all(t.stride(-1) == 1 for t in (q_lat, q_pe, c_cache, pe_cache)),
                  lambda: "the feature axis must be the innermost, unit-stride axis")
     # decode_attention's tiling with the latent as the one KV head: [32, 512] latent tiles, about one program per SM
-    block_n, split_len, splits, _, _ = _launch_config(batch, 1, max_len, latent, q_lat.device, None)
+    config = tile_config(batch, 1, max_len, latent, q_lat.device)
+    block_n = config["BLOCK_N"]
+    split_len, splits = split_layout(max_len, block_n, config["SPLITS"])
     block_r = triton.next_power_of_2(latent)
     partial_out = torch.empty((batch, num_heads, splits, latent), device=q_lat.device, dtype=torch.float32)
     partial_lse = torch.empty((batch, num_heads, splits), device=q_lat.device, dtype=torch.float32)
