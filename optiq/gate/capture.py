@@ -89,10 +89,11 @@ def prompt(model: torch.nn.Module, batch: int, length: int, seed: int) -> torch.
 def _fill_to(engine: DecodeEngine, prompt: torch.Tensor, length: int) -> None:
     """Prefill ``prompt`` and bring the cache to ``length`` positions of real keys and values. A static cache's
     positions [P, length) are filled with copies of the prompt's own keys and values (a prefill that long would
-    cost a long prompt's forward per concurrency); a cache the model makes itself cannot be written so, and is
-    prefilled with the prompt's tokens repeated to ``length``."""
+    cost a long prompt's forward per concurrency); a cache the model makes itself, or a family's static cache
+    (whose compressed entries are pooled from the positions before them), cannot be written so, and is prefilled
+    with the prompt's tokens repeated to ``length``."""
     prompt_len = prompt.shape[1]
-    if not engine.static:
+    if not engine.static or engine.family:
         engine.prefill(prompt.repeat(1, -(-length // prompt_len))[:, :length])
         return
     engine.prefill(prompt)
