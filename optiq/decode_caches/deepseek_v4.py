@@ -31,6 +31,7 @@ import sys
 import types
 
 import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from optiq.errors import OptiqError
 
@@ -49,8 +50,9 @@ def _rows_at(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _write(buffer: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> None:
-    """``buffer[b, index[b]] = value[b]`` in place, for an index [batch] on the device."""
-    buffer.index_put_((torch.arange(buffer.shape[0], device=buffer.device), index), value.to(buffer.dtype))
+    """``buffer[b, index[b]] = value[b]`` in place, for an index [batch] on the device. No cast: the buffer has the
+    dtype HF gives the value, and a buffer that had another would fail here rather than round silently."""
+    buffer.index_put_((torch.arange(buffer.shape[0], device=buffer.device), index), value)
 
 
 class _Compression:
@@ -59,18 +61,18 @@ class _Compression:
     ``overlap`` is CSA's two-series layout: ``kv_proj`` gives ``2 * head_dim`` features, the first half (Ca) pooled
     into the next window's entry and the second (Cb) into its own, so an entry pools ``2 * rate`` slots."""
 
-    def __init__(self, compressor: torch.nn.Module, rate: int, overlap: bool, batch: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.rate, self.overlap, self.head_dim = rate, overlap, compressor.head_dim
+    def __init__(self, compressor: torch.nn.Module, overlap: bool, batch: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.rate, self.overlap, self.head_dim = compressor.compress_rate, overlap, compressor.head_dim
         width = compressor.kv_proj.out_features
         gate_dtype = torch.promote_types(dtype, compressor.position_bias.dtype)  # HF adds the bias, promoting
         probe = torch.zeros(1, 1, self.head_dim, dtype=dtype, device=device)
         entry_dtype = compressor.kv_norm(probe).dtype  # what the norm makes of pooled kv (fp32 weights or not)
         # Whole windows (the last one's positions past max_len are pooled, never seen), and zeros, not empty: a
         # masked slot is multiplied by a zero weight, which a NaN of garbage would survive.
-        windows = -(-max_len // rate)
-        self.kv = torch.zeros(batch, windows * rate, width, dtype=dtype, device=device)
-        self.gate = torch.zeros(batch, windows * rate, width, dtype=gate_dtype, device=device)
+        windows = -(-max_len // self.rate)
+        self.kv = torch.zeros(batch, windows * self.rate, width, dtype=dtype, device=device)
+        self.gate = torch.zeros(batch, windows * self.rate, width, dtype=gate_dtype, device=device)
         self.entries = torch.zeros(batch, windows, self.head_dim, dtype=entry_dtype, device=device)
 
     def absorb(self, cache_layer, name: str, compressor: torch.nn.Module, length: int) -> None:
@@ -127,6 +129,7 @@ class _Layer:
     def __init__(self, attention: torch.nn.Module, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device):
         self.sliding_window = attention.sliding_window
+        self.mask_dtype = dtype  # HF's masks have the dtype of the embeddings
         probe = torch.zeros(1, 1, attention.head_dim, dtype=dtype, device=device)
         self.window = torch.zeros(batch, max_len, attention.head_dim, dtype=attention.kv_norm(probe).dtype,
                                   device=device)
@@ -134,10 +137,9 @@ class _Layer:
         self.compression = self.indexing = None
         if compressor is not None:
             csa = attention.layer_type == CSA
-            self.compression = _Compression(compressor, compressor.compress_rate, csa, batch, max_len, dtype, device)
+            self.compression = _Compression(compressor, csa, batch, max_len, dtype, device)
             if csa:
-                self.indexing = _Compression(compressor.indexer, compressor.indexer.compress_rate, True, batch,
-                                             max_len, dtype, device)
+                self.indexing = _Compression(compressor.indexer, True, batch, max_len, dtype, device)
                 self.top_k = min(compressor.indexer.index_topk, self.indexing.entries.shape[1])
 
     def absorb(self, attention: torch.nn.Module, cache_layer, length: int) -> None:
@@ -151,7 +153,7 @@ class _Layer:
     def attend(self, attention: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
                position_ids: torch.Tensor):
         """One token per sequence through the module's own parts, as HF's forward computes it, over the keys this
-        layer gives instead of HF's concatenations (a key a query does not see carries -inf, as in HF's masks)."""
+        layer gives instead of HF's concatenations."""
         hf = _hf(attention)
         cos, sin = position_embeddings[attention.rope_layer_type]
         hidden_shape = (*hidden_states.shape[:2], -1, attention.head_dim)
@@ -161,12 +163,17 @@ class _Layer:
         kv = attention.kv_norm(attention.kv_proj(hidden_states)).view(hidden_shape).transpose(1, 2)
         kv = hf.apply_rotary_pos_emb(kv, cos, sin)
         keys, seen = self.keys(attention, kv, hidden_states, q_residual, position_ids)
-        mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill(~seen, float("-inf"))
-        interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation,
-                                                             hf.eager_attention_forward)
-        attn_output, attn_weights = interface(attention, q, keys, keys, mask[:, None, None], dropout=0.0,
-                                              scaling=attention.scaling, sliding_window=attention.sliding_window,
-                                              s_aux=attention.sinks)
+        # The mask through the implementation's own mask function, as HF's model builds its masks (and where a
+        # recipe's attention interface registers its own), from which keys each query sees.
+        def sees(batch, head, query, key):
+            return seen[batch, key]
+        implementation = attention.config._attn_implementation
+        mask = ALL_MASK_ATTENTION_FUNCTIONS[implementation](batch_size=seen.shape[0], q_length=1,
+                                                            kv_length=seen.shape[1], mask_function=sees,
+                                                            dtype=self.mask_dtype, device=seen.device)
+        interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(implementation, hf.eager_attention_forward)
+        attn_output, attn_weights = interface(attention, q, keys, keys, mask, dropout=0.0, scaling=attention.scaling,
+                                              sliding_window=attention.sliding_window, s_aux=attention.sinks)
         attn_output = hf.apply_rotary_pos_emb(attn_output.transpose(1, 2), cos, -sin).transpose(1, 2)
         grouped = attn_output.reshape(*hidden_states.shape[:2], attention.config.o_groups, -1)
         return attention.o_b_proj(attention.o_a_proj(grouped).flatten(2)), attn_weights
