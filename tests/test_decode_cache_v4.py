@@ -136,6 +136,19 @@ def test_seek_before_the_prefill_end_is_one_line(model):
     assert "\n" not in str(err.value)
 
 
+def test_the_gate_copies_convert_the_layers_a_call_reads(model):
+    """A captured call's float64 copy converts the buffers of the layers it reads and shares the others; a scaled
+    copy scales them; a plain copy shares them all (a step writes its own position before it reads it)."""
+    cache = DecodeEngine(model, 1, max_len=16).cache
+    double = cache.converted(torch.float64, layers={1})
+    assert double.layers[1].window.dtype == double.layers[1].indexing.gate.dtype == torch.float64
+    assert double.layers[0].window is cache.layers[0].window
+    assert cache.layers[1].window.dtype == torch.float32
+    cache.layers[0].compression.kv.fill_(3.0)
+    assert torch.equal(cache.converted(scale=0.5).layers[0].compression.kv, cache.layers[0].compression.kv / 2)
+    assert cache.converted().layers[2].window is cache.layers[2].window
+
+
 def test_a_replaced_attention_forward_falls_back_to_the_own_cache():
     """A recipe's forward on the attention (which the decode forward would replace) keeps the model on HF's cache,
     eager, with the reason; graph mode names it."""

@@ -27,12 +27,14 @@ them.
 
 from __future__ import annotations
 
+import copy
 import sys
 import types
 
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+from optiq.decode_caches.base import StaticDecodeCache, converted_tensor
 from optiq.errors import OptiqError
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -118,6 +120,12 @@ class _Compression:
         _write(self.entries, window, pooled[:, 0])
         return (position + 1) // self.rate
 
+    def converted(self, dtype: torch.dtype | None, scale: float | None) -> _Compression:
+        copied = copy.copy(self)
+        copied.kv, copied.gate, copied.entries = (converted_tensor(t, dtype, scale)
+                                                  for t in (self.kv, self.gate, self.entries))
+        return copied
+
     def visible(self, count: torch.Tensor) -> torch.Tensor:
         """[batch, slots]: which entries a query sees, the first ``count`` of each sequence."""
         return torch.arange(self.entries.shape[1], device=count.device)[None] < count[:, None]
@@ -149,6 +157,14 @@ class _Layer:
             self.compression.absorb(cache_layer, "compressor", attention.compressor, length)
         if self.indexing is not None:
             self.indexing.absorb(cache_layer, "indexer", attention.compressor.indexer, length)
+
+    def converted(self, dtype: torch.dtype | None, scale: float | None) -> _Layer:
+        copied = copy.copy(self)
+        copied.window = converted_tensor(self.window, dtype, scale)
+        copied.mask_dtype = dtype or self.mask_dtype
+        copied.compression, copied.indexing = (None if c is None else c.converted(dtype, scale)
+                                               for c in (self.compression, self.indexing))
+        return copied
 
     def attend(self, attention: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
                position_ids: torch.Tensor):
@@ -234,7 +250,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ == "DeepseekV4Attention"]
 
 
-class StaticDeepseekV4Cache:
+class StaticDeepseekV4Cache(StaticDecodeCache):
     """The whole model's static decode state, one ``_Layer`` per attention layer (by ``layer_idx``), allocated at
     construction for ``batch`` sequences of ``max_len`` positions, so that a concurrency that does not fit fails
     before any work. Each tensor has the dtype HF's own code gives it when the model computes in ``dtype`` (the gate
@@ -255,8 +271,7 @@ class StaticDeepseekV4Cache:
         for attention in attentions:
             attention.forward = types.MethodType(decode_forward, attention)
 
-    @staticmethod
-    def prefill_cache(model: torch.nn.Module):
+    def prefill_cache(self, model: torch.nn.Module):
         """HF's own cache for the prefill, which ``absorb`` converts afterwards."""
         from transformers import DynamicCache
         return DynamicCache(config=model.config)
@@ -267,6 +282,13 @@ class StaticDeepseekV4Cache:
         for attention in _attention_modules(model):
             self.layers[attention.layer_idx].absorb(attention, hf_cache.layers[attention.layer_idx], length)
         self.prefilled = length
+
+    def converted(self, dtype: torch.dtype | None = None, scale: float | None = None,
+                  layers: set[int] | None = None) -> StaticDeepseekV4Cache:
+        copied = copy.copy(self)
+        copied.layers = {index: layer.converted(dtype, scale) if layers is None or index in layers else layer
+                         for index, layer in self.layers.items()}
+        return copied
 
     def seek(self, length: int) -> None:
         """Nothing moves (a step's positions are the engine's counter); a length before the end of the prefill is
