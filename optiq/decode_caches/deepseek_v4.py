@@ -32,6 +32,7 @@ import sys
 import types
 
 import torch
+from transformers import DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from optiq.decode_caches.base import StaticDecodeCache, converted_tensor
@@ -179,10 +180,12 @@ class _Layer:
         kv = attention.kv_norm(attention.kv_proj(hidden_states)).view(hidden_shape).transpose(1, 2)
         kv = hf.apply_rotary_pos_emb(kv, cos, sin)
         keys, seen = self.keys(attention, kv, hidden_states, q_residual, position_ids)
-        # The mask through the implementation's own mask function, as HF's model builds its masks (and where a
-        # recipe's attention interface registers its own), from which keys each query sees.
+
         def sees(batch, head, query, key):
             return seen[batch, key]
+
+        # The mask through the implementation's own mask function, as HF's model builds its masks (a recipe's
+        # attention interface registers its own, which the gate records), from which keys each query sees.
         implementation = attention.config._attn_implementation
         mask = ALL_MASK_ATTENTION_FUNCTIONS[implementation](batch_size=seen.shape[0], q_length=1,
                                                             kv_length=seen.shape[1], mask_function=sees,
@@ -244,8 +247,6 @@ def decode_forward(self, hidden_states: torch.Tensor, position_embeddings, posit
 decode_forward.__name__ = "forward"
 
 
-
-
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ == "DeepseekV4Attention"]
 
@@ -259,12 +260,12 @@ class StaticDeepseekV4Cache(StaticDecodeCache):
     Building it installs ``decode_forward`` on the model's attention modules (once; it stays, running HF's forward
     for any other cache)."""
 
-    # The model builds no attention mask for a step: the decode forward masks by position itself (HF's forward takes
-    # a dict of masks per layer type as ready).
+    # The model builds no mask for a step (HF's forward takes a dict of masks per layer type as ready): each layer's
+    # decode forward builds its own, over the keys it attends to.
     step_kwargs = {"attention_mask": {SLIDING: None}}
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        self.max_len, self.prefilled = max_len, 0
+        self.prefilled = 0
         attentions = _attention_modules(model)
         with torch.no_grad():
             self.layers = {a.layer_idx: _Layer(a, batch, max_len, dtype, device) for a in attentions}
@@ -273,7 +274,6 @@ class StaticDeepseekV4Cache(StaticDecodeCache):
 
     def prefill_cache(self, model: torch.nn.Module):
         """HF's own cache for the prefill, which ``absorb`` converts afterwards."""
-        from transformers import DynamicCache
         return DynamicCache(config=model.config)
 
     @torch.no_grad()
