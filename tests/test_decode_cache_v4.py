@@ -5,6 +5,7 @@ import inspect
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from optiq.decode_caches import deepseek_v4
@@ -126,6 +127,39 @@ def test_the_comparison_catches_a_wrong_cache(model, monkeypatch, mutant):
     engine.prefill(prompt)
     logits, inputs = _engine_decode(engine, STEPS)
     assert (logits - _hf_decode(model, prompt, inputs)).abs().max() > 1e-3
+
+
+class _Ops(TorchDispatchMode):
+    """Every aten op a block runs, with its output shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        shapes = [tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
+                  if isinstance(t, torch.Tensor)]
+        self.ops.append((func.__name__, shapes))
+        return out
+
+
+@torch.inference_mode()
+def test_a_step_is_the_same_ops_at_every_position(model):
+    """What a CUDA graph needs, checked on the CPU: the steps at the first positions, inside windows, closing them,
+    past the sliding window run the same aten ops on the same shapes, and none of them reads a value back to the
+    host (``.item()``, ``nonzero``)."""
+    engine = DecodeEngine(model, 2, max_len=48)
+    engine.prefill(_prompt(2, 1))
+    runs = []
+    for _ in range(40):
+        with _Ops() as ops:
+            engine._step()
+        engine.length += 1
+        runs.append(ops.ops)
+    assert all(run == runs[0] for run in runs)
+    host_reads = {"item.default", "_local_scalar_dense.default", "nonzero.default", "is_nonzero.default", "equal.default"}
+    assert not {name for name, _ in runs[0]} & host_reads
 
 
 def test_seek_before_the_prefill_end_is_one_line(model):
