@@ -19,15 +19,16 @@ from the prefill's on is a whole rewind. The CSA overlap (window ``w - 1``'s Ca 
 buffered positions, and window 0's "no prior window" (zero kv, -inf gate) is a ``torch.where`` on ``w == 0``.
 
 The prefill stays HF's: it runs on HF's own cache, which ``absorb`` converts (the sliding keys it kept, the
-compressor buffers' remainder, the compressed entries, the overlap state). Decode steps then run ``decode_forward``
-instead of HF's attention forward: the module's own submodules and HF's ``apply_rotary_pos_emb`` and attention
-function, looked up when called, so the numbers follow the installed transformers and any recipe that patched
-them.
+compressor buffers' remainder, the compressed entries, the overlap state). Given this cache, the attention's
+forward (``_install_decode_forward``) takes the step through the module's own submodules and HF's
+``apply_rotary_pos_emb`` and attention function, looked up when called, so the numbers follow the installed
+transformers and any recipe that patched them; given any other, it is HF's.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 import types
 
@@ -233,18 +234,27 @@ class _Layer:
         return scores.topk(self.top_k, dim=-1).indices
 
 
-def decode_forward(self, hidden_states: torch.Tensor, position_embeddings, position_ids: torch.Tensor,
-                   attention_mask=None, **kwargs):
-    """DeepseekV4Attention's forward as installed on each instance: a step on the static cache, anything else (the
-    prefill, HF's own cache, no cache, the gate's references) HF's forward untouched. Named ``forward`` so that what
-    inspects a module's forward (optiq's float64 references) finds it as it would HF's."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if not isinstance(cache, StaticDeepseekV4Cache):
-        return type(self).forward(self, hidden_states, position_embeddings, position_ids, attention_mask, **kwargs)
-    return cache.layers[self.layer_idx].attend(self, hidden_states, position_embeddings, position_ids)
+def _install_decode_forward(attention_class: type) -> None:
+    """Make the attention class's forward take a step on the static cache, and leave every other call (the prefill,
+    HF's own cache, no cache, the gate's references) to HF's forward untouched. On the class, once: the modules
+    stay as they were (a profiler's wrapper on an instance calls this forward as it would HF's), and what reads
+    the class's forward (its signature, its name) finds HF's through ``functools.wraps``."""
+    if attention_class in _INSTALLED:
+        return
+    hf_forward = attention_class.forward
+
+    @functools.wraps(hf_forward)
+    def forward(self, hidden_states, position_embeddings, position_ids, attention_mask=None, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, StaticDeepseekV4Cache):
+            return cache.layers[self.layer_idx].attend(self, hidden_states, position_embeddings, position_ids)
+        return hf_forward(self, hidden_states, position_embeddings, position_ids, attention_mask, **kwargs)
+
+    attention_class.forward = forward
+    _INSTALLED.add(attention_class)
 
 
-decode_forward.__name__ = "forward"
+_INSTALLED: set[type] = set()
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -257,8 +267,7 @@ class StaticDeepseekV4Cache(StaticDecodeCache):
     before any work. Each tensor has the dtype HF's own code gives it when the model computes in ``dtype`` (the gate
     promoted by the fp32 ``position_bias``, a norm's output as that norm makes it), so storing a step is exact.
 
-    Building it installs ``decode_forward`` on the model's attention modules (once; it stays, running HF's forward
-    for any other cache)."""
+    Building it installs the decode forward on the model's attention class (``_install_decode_forward``)."""
 
     # The model builds no mask for a step (HF's forward takes a dict of masks per layer type as ready): each layer's
     # decode forward builds its own, over the keys it attends to.
@@ -269,8 +278,8 @@ class StaticDeepseekV4Cache(StaticDecodeCache):
         attentions = _attention_modules(model)
         with torch.no_grad():
             self.layers = {a.layer_idx: _Layer(a, batch, max_len, dtype, device) for a in attentions}
-        for attention in attentions:
-            attention.forward = types.MethodType(decode_forward, attention)
+        for attention_class in {type(a) for a in attentions}:
+            _install_decode_forward(attention_class)
 
     def prefill_cache(self, model: torch.nn.Module):
         """HF's own cache for the prefill, which ``absorb`` converts afterwards."""
@@ -300,13 +309,11 @@ class StaticDeepseekV4Cache(StaticDecodeCache):
 
 def problem(model: torch.nn.Module) -> str:
     """Why the static cache cannot decode the model ("" when it can): a layer type it does not know, or an
-    attention forward something else installed (a recipe's), which the decode forward would replace."""
+    attention module with a forward of its own (a recipe's), which would bypass the decode forward."""
     config = model.config.get_text_config(decoder=True)
     unknown = sorted(set(config.layer_types) - {SLIDING, CSA, HCA})
     if unknown:
         return f"DeepSeek-V4's static decode cache does not know its {', '.join(unknown)} layers"
-    for attention in _attention_modules(model):
-        installed = vars(attention).get("forward")
-        if installed is not None and getattr(installed, "__func__", None) is not decode_forward:
-            return "its attention's forward is replaced, which DeepSeek-V4's static decode cache would bypass"
+    if any("forward" in vars(attention) for attention in _attention_modules(model)):
+        return "its attention's forward is replaced, which would bypass DeepSeek-V4's static decode cache"
     return ""
