@@ -34,7 +34,7 @@ import types
 
 import torch
 from transformers import DynamicCache
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, bidirectional_mask_function
 
 from optiq.decode_caches.base import StaticDecodeCache, converted_tensor
 from optiq.errors import OptiqError
@@ -181,16 +181,13 @@ class _Layer:
         kv = attention.kv_norm(attention.kv_proj(hidden_states)).view(hidden_shape).transpose(1, 2)
         kv = hf.apply_rotary_pos_emb(kv, cos, sin)
         keys, seen = self.keys(attention, kv, hidden_states, q_residual, position_ids)
-
-        def sees(batch, head, query, key):
-            return seen[batch, key]
-
-        # The mask through the implementation's own mask function, as HF's model builds its masks (a recipe's
-        # attention interface registers its own, which the gate records), from which keys each query sees.
+        # The keys a query does not see, said as HF's masks say it (padding, a 2D attention_mask, over a full mask),
+        # through the implementation's own mask function, as HF's model builds its masks: a recipe's attention
+        # interface registers its own, which reads that convention and which the gate records.
         implementation = attention.config._attn_implementation
-        mask = ALL_MASK_ATTENTION_FUNCTIONS[implementation](batch_size=seen.shape[0], q_length=1,
-                                                            kv_length=seen.shape[1], mask_function=sees,
-                                                            dtype=self.mask_dtype, device=seen.device)
+        mask = ALL_MASK_ATTENTION_FUNCTIONS[implementation](
+            batch_size=seen.shape[0], q_length=1, kv_length=seen.shape[1], mask_function=bidirectional_mask_function,
+            attention_mask=seen, dtype=self.mask_dtype, device=seen.device)
         interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(implementation, hf.eager_attention_forward)
         attn_output, attn_weights = interface(attention, q, keys, keys, mask, dropout=0.0, scaling=attention.scaling,
                                               sliding_window=attention.sliding_window, s_aux=attention.sinks)
