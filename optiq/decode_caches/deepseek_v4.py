@@ -231,6 +231,9 @@ class _Layer:
         return scores.topk(self.top_k, dim=-1).indices
 
 
+_INSTALLED: set[type] = set()  # the attention classes whose forward takes static-cache steps
+
+
 def _install_decode_forward(attention_class: type) -> None:
     """Make the attention class's forward take a step on the static cache, and leave every other call (the prefill,
     HF's own cache, no cache, the gate's references) to HF's forward untouched. On the class, once: the modules
@@ -249,9 +252,6 @@ def _install_decode_forward(attention_class: type) -> None:
 
     attention_class.forward = forward
     _INSTALLED.add(attention_class)
-
-
-_INSTALLED: set[type] = set()
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
