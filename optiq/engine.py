@@ -6,7 +6,9 @@ model's forward for one token per sequence, the greedy pick of the next token an
 one replay of the graph is one whole step and nothing in the loop waits on the host. The positions live in device
 tensors that the step itself advances: the cache's per-layer fill counters (transformers' StaticCache) and the
 ``position_ids`` buffer. ``seek`` rewinds both, which lets the timing loop repeat the same decode from the same prompt.
-A model whose layers a static cache cannot hold decodes eagerly with its own cache (``DecodeEngine``).
+A family whose layers StaticCache cannot hold may have a static decode cache of its own (``optiq.decode_caches``:
+DeepSeek-V4's); any other model whose layers a static cache cannot hold decodes eagerly with its own cache
+(``DecodeEngine``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from transformers import Cache, StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
+from optiq.decode_caches import family_cache
 from optiq.errors import OptiqError, first_line
 
 WARMUP_STEPS = 3
@@ -95,6 +98,13 @@ def _probe_static(model: torch.nn.Module, config) -> tuple[str, list]:
                 if getattr(layer, "is_initialized", False) else None for layer in cache.layers]
 
 
+def static_problem(model: torch.nn.Module) -> str:
+    """Why the model's decode cannot run on a static cache ("" when it can): its family's own static cache, or
+    transformers' StaticCache."""
+    family, why_not = family_cache(model)
+    return why_not if family is not None else static_cache(model, 1)[1]
+
+
 def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
     """The next token of each sequence, [batch, 1]: the greedy pick. Steps look it up here each time they run, so a
     recipe may replace it (a ``function`` patch of ``optiq.engine:sample_greedy``) and graphs capture the
@@ -107,11 +117,13 @@ class DecodeEngine:
 
     The cache is transformers' StaticCache wherever every layer is attention (``static_cache``): its fill counters
     are device tensors, so a step can be captured in a CUDA graph and ``seek`` can move every sequence to any
-    length. Any other model (recurrent or linear-attention layers, caches of its own) decodes in eager mode with the
-    cache it returns from the prefill, which ``seek`` can only rewind to the end of the prefill (from a copy kept
-    then); a model that returns no transformers cache recomputes the whole sequence at each step, exact where a
-    state of its own (RWKV's, XLNet's memory) is not. ``forward`` replaces the model's own call in decode steps (e.g. a torch.compile'd forward); prefill always
-    runs the model itself.
+    length. A family with a static decode cache of its own (``optiq.decode_caches``) prefills on the model's own
+    cache, which that cache then takes over, and is captured and rewound the same way, to any length from the
+    prefill's on. Any other model (recurrent or linear-attention layers, caches of its own) decodes in eager mode
+    with the cache it returns from the prefill, which ``seek`` can only rewind to the end of the prefill (from a
+    copy kept then); a model that returns no transformers cache recomputes the whole sequence at each step, exact
+    where a state of its own (RWKV's, XLNet's memory) is not. ``forward`` replaces the model's own call in decode
+    steps (e.g. a torch.compile'd forward); prefill always runs the model itself.
     """
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, mode: str = "eager",
@@ -124,8 +136,15 @@ class DecodeEngine:
         self.forward = forward or model
         param = next(model.parameters())
         self.device, self.dtype = param.device, dtype or param.dtype
-        self.cache, self.why_not_static = static_cache(model, max_len)
-        if self.static:
+        family, family_problem = family_cache(model)
+        if family is not None:
+            # The family's cache allocates everything now, outside inference mode, as StaticCache's layers below.
+            self.cache = None if family_problem else family(model, batch, max_len, self.dtype, self.device)
+            self.why_not_static = family_problem
+        else:
+            self.cache, self.why_not_static = static_cache(model, max_len)
+        self.family = family is not None and self.static  # the static cache is the family's own
+        if self.static and not self.family:
             # Allocate the whole cache now, outside inference mode (the tensors stay ordinary ones the timing loop,
             # torch.compile and graphs may update): a concurrency that does not fit fails here, before any work.
             for layer, layout in zip(self.cache.layers, static_layouts(model)):
@@ -149,10 +168,15 @@ class DecodeEngine:
     def static(self) -> bool:
         return self.why_not_static == ""
 
-    def _model_call(self, fn: Callable, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def _model_call(self, fn: Callable, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    cache: Cache | None = None) -> torch.Tensor:
+        """``fn``'s last logits, on the engine's cache or on ``cache`` (HF's, for a family cache's prefill)."""
         kwargs = {"use_cache": not self.recompute}
-        if self.cache is not None:
-            kwargs[self._cache_kw] = self.cache
+        cache = self.cache if cache is None else cache
+        if cache is not None:
+            kwargs[self._cache_kw] = cache
+        if self.family and cache is self.cache:
+            kwargs.update(self.cache.step_kwargs)
         if "position_ids" in self._takes:
             kwargs["position_ids"] = position_ids
         if "cache_position" in self._takes and not self.static and not self.recompute:  # recurrent models' conv state
@@ -189,13 +213,16 @@ class DecodeEngine:
         batch, length = prompt.shape
         if batch != self.batch or length >= self.max_len:
             raise ValueError(f"prompt {tuple(prompt.shape)} does not fit batch {self.batch}, max_len {self.max_len}")
-        if self.static:
+        if self.static and not self.family:
             self.seek(0)
-        else:
+        elif not self.static:
             self.cache, self.recompute = None, False  # the model starts a cache of its own
             self._sequence = prompt.to(self.device)
         positions = torch.arange(length, device=self.device).expand(batch, length)
-        logits = self._model_call(self.model, prompt.to(self.device), positions)
+        own = self.cache.prefill_cache(self.model) if self.family else None  # a family's prefill runs on HF's cache
+        logits = self._model_call(self.model, prompt.to(self.device), positions, own)
+        if self.family:
+            self.cache.absorb(self.model, own, length)
         self.tokens.copy_(sample_greedy(logits))
         if not self.static:
             self._prefilled, self.length = (length, copy.deepcopy(self.cache)), length
@@ -205,8 +232,11 @@ class DecodeEngine:
     @torch.inference_mode()
     def seek(self, length: int) -> None:
         """Set the filled length of every sequence (the cache's counters and the next position) to ``length``. A
-        model's own cache can only be rewound to the end of the prefill."""
-        if self.static:
+        model's own cache can only be rewound to the end of the prefill, a family's static cache to any length from
+        there on."""
+        if self.family:
+            self.cache.seek(length)
+        elif self.static:
             for layer in self.cache.layers:  # every fill counter: the KV one and a DSA indexer's, none in a dummy
                 for name, value in vars(layer).items():
                     if name.endswith("cumulative_length") and isinstance(value, torch.Tensor):
@@ -283,8 +313,8 @@ def _uncapturable(why_not_static: str) -> str:
 def graph_mode_problem(model: torch.nn.Module) -> str:
     """Why graph mode cannot run the model's decode steps ("" when it can): the model decodes with a cache of its
     own, or a step at batch 1 does not capture. Callers fall back to eager mode with this line."""
-    cache, why_not = static_cache(model, 1)
-    if cache is None:
+    why_not = static_problem(model)
+    if why_not:
         return _uncapturable(why_not)
     try:
         with opened(model, 1, WARMUP_STEPS + 4, "graph") as engine:

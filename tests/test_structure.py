@@ -5,7 +5,7 @@ then keeps (or rolls back, for a kernel wrong on them)."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV4Config, Gemma3TextConfig, Phi3Config
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4HyperConnection
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -278,11 +278,27 @@ def test_grouped_linear_recipe_is_kept_and_its_wrong_kernels_rolled_back(tmp_pat
 
 
 def test_a_site_the_gate_cannot_replay_rolls_its_recipe_back():
-    """DeepSeek-V4's attention appends its compressed entries after the mask the attention interface was built for,
-    so decode_attention's recorded call cannot be replayed through the model's own path: the recipe is rolled back
-    with that reason, and the run goes on (it was a traceback)."""
+    """DeepSeek-V4 on its own cache (an attention forward of its own keeps it off optiq's static cache) appends its
+    compressed entries after the mask the attention interface was built for, so decode_attention's recorded call
+    cannot be replayed through the model's own path: the recipe is rolled back with that reason, and the run goes
+    on (it was a traceback)."""
     model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
+    attentions = [m for m in model.modules() if isinstance(m, DeepseekV4Attention)]
+    for attention in attentions:
+        attention.forward = type(attention).forward.__get__(attention)
     report = validate(apply(model, [load_catalog()["decode_attention"]]), GatePlan((2,), steps=3, prompt_len=9))
     assert report.rolled_back == ["decode_attention"], report
     assert "fails when replayed on its captured inputs" in report.recipes["decode_attention"].reason
+    assert all("forward" not in vars(m) for m in model.modules() if m not in attentions)
+
+
+def test_on_the_v4_static_cache_the_attention_call_replays():
+    """On optiq's static cache a V4 step's mask covers every key it attends to, the ones a query does not see said
+    as padding, through the implementation's mask function: decode_attention's recorded calls replay, and since its
+    kernel runs spans of a cache and not a padded mask, each goes back to the eager path and the recipe is rolled
+    back with nothing to keep."""
+    model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
+    report = validate(apply(model, [load_catalog()["decode_attention"]]), GatePlan((2,), steps=3, prompt_len=9))
+    assert report.rolled_back == ["decode_attention"], report
+    assert "ran at none of its" in report.recipes["decode_attention"].reason
     assert all("forward" not in vars(m) for m in model.modules())

@@ -8,10 +8,13 @@ from typing import Any
 import torch
 from transformers import Cache
 
+from optiq.decode_caches import StaticDecodeCache
 from optiq.engine import DecodeEngine
 from optiq.gate.plan import GatePlan
 from optiq.patching import Patches
 from optiq.patching.changes import Site
+
+CACHES = (Cache, StaticDecodeCache)  # the caches a captured call's copies copy
 
 
 def _copy_cache(cache: Cache, dtype: torch.dtype | None, scale: float | None = None,
@@ -43,16 +46,21 @@ def scaled_copy(value: Any, factor: float) -> Any:
         return value * factor
     if isinstance(value, Cache):
         return _copy_cache(value, None, factor)
+    if isinstance(value, StaticDecodeCache):
+        return value.converted(scale=factor)
     return value
 
 
 def fresh(value: Any, dtype: torch.dtype | None = None, layers: set[int] | None = None) -> Any:
     """A private copy of captured call arguments: tensors cloned (floating ones cast to ``dtype``), caches copied
-    (_copy_cache, converting ``layers`` only when given); modules, configs and functions shared."""
+    (_copy_cache, or a family's static cache converted, converting ``layers`` only when given); modules, configs
+    and functions shared."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if dtype is not None and value.is_floating_point() else value.clone()
     if isinstance(value, Cache):
         return _copy_cache(value, dtype, layers=layers)
+    if isinstance(value, StaticDecodeCache):
+        return value.converted(dtype, layers=layers)
     if isinstance(value, (tuple, list)):
         return type(value)(fresh(v, dtype, layers) for v in value)
     if isinstance(value, dict):
@@ -89,10 +97,11 @@ def prompt(model: torch.nn.Module, batch: int, length: int, seed: int) -> torch.
 def _fill_to(engine: DecodeEngine, prompt: torch.Tensor, length: int) -> None:
     """Prefill ``prompt`` and bring the cache to ``length`` positions of real keys and values. A static cache's
     positions [P, length) are filled with copies of the prompt's own keys and values (a prefill that long would
-    cost a long prompt's forward per concurrency); a cache the model makes itself cannot be written so, and is
-    prefilled with the prompt's tokens repeated to ``length``."""
+    cost a long prompt's forward per concurrency); a cache the model makes itself, or a family's static cache
+    (whose compressed entries are pooled from the positions before them), cannot be written so, and is prefilled
+    with the prompt's tokens repeated to ``length``."""
     prompt_len = prompt.shape[1]
-    if not engine.static:
+    if not engine.static or engine.family:
         engine.prefill(prompt.repeat(1, -(-length // prompt_len))[:, :length])
         return
     engine.prefill(prompt)

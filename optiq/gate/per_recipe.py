@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from transformers import Cache
 
-from optiq.gate.capture import fresh, layers_read, scaled_copy, tensors
+from optiq.gate.capture import CACHES, fresh, layers_read, scaled_copy, tensors
 from optiq.gate.references.float64 import float64_path
 from optiq.gate.rules import GATE, error, site_bound, unlike
 from optiq.patching import Patches
@@ -66,9 +65,9 @@ def _scaled(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     if first is None and not (isinstance(kwargs.get("hidden_states"), torch.Tensor)
                               and kwargs["hidden_states"].is_floating_point()):
         return None
-    args = tuple(scaled_copy(v, SMALL_SCALE) if i == first or isinstance(v, Cache) else v
+    args = tuple(scaled_copy(v, SMALL_SCALE) if i == first or isinstance(v, CACHES) else v
                  for i, v in enumerate(args))
-    kwargs = {k: scaled_copy(v, SMALL_SCALE) if (k == "hidden_states" and first is None) or isinstance(v, Cache)
+    kwargs = {k: scaled_copy(v, SMALL_SCALE) if (k == "hidden_states" and first is None) or isinstance(v, CACHES)
               else v for k, v in kwargs.items()}
     return args, kwargs
 
