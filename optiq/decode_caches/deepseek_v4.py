@@ -34,7 +34,8 @@ import types
 
 import torch
 from transformers import DynamicCache
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, bidirectional_mask_function
+from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, bidirectional_mask_function, eager_mask,
+                                      sdpa_mask)
 
 from optiq.decode_caches.base import StaticDecodeCache, converted_tensor
 from optiq.errors import OptiqError
@@ -57,6 +58,18 @@ def _write(buffer: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> No
     """``buffer[b, index[b]] = value[b]`` in place, for an index [batch] on the device. No cast: the buffer has the
     dtype HF gives the value, and a buffer that had another would fail here rather than round silently."""
     buffer.index_put_((torch.arange(buffer.shape[0], device=buffer.device), index), value)
+
+
+def _mask(implementation_mask, **kwargs) -> torch.Tensor | None:
+    """The attention implementation's mask, but for HF's eager one made here: ``eager_mask`` turns sdpa's boolean
+    mask into 0 / min with a ``torch.tensor(0.0)`` made on the host at every call, a copy no CUDA graph captures;
+    the same values are filled in on the device instead."""
+    if implementation_mask is not eager_mask:
+        return implementation_mask(**kwargs)
+    dtype = kwargs.pop("dtype")
+    allowed = sdpa_mask(**kwargs, allow_is_causal_skip=False)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
+                                                                                      torch.finfo(dtype).min)
 
 
 class _Compression:
@@ -185,9 +198,9 @@ class _Layer:
         # through the implementation's own mask function, as HF's model builds its masks: a recipe's attention
         # interface registers its own, which reads that convention and which the gate records.
         implementation = attention.config._attn_implementation
-        mask = ALL_MASK_ATTENTION_FUNCTIONS[implementation](
-            batch_size=seen.shape[0], q_length=1, kv_length=seen.shape[1], mask_function=bidirectional_mask_function,
-            attention_mask=seen, dtype=self.mask_dtype, device=seen.device)
+        mask = _mask(ALL_MASK_ATTENTION_FUNCTIONS[implementation], batch_size=seen.shape[0], q_length=1,
+                     kv_length=seen.shape[1], mask_function=bidirectional_mask_function, attention_mask=seen,
+                     dtype=self.mask_dtype, device=seen.device)
         interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(implementation, hf.eager_attention_forward)
         attn_output, attn_weights = interface(attention, q, keys, keys, mask, dropout=0.0, scaling=attention.scaling,
                                               sliding_window=attention.sliding_window, s_aux=attention.sinks)
