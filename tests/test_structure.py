@@ -215,6 +215,16 @@ def test_sandwich_norm_layers_are_found_and_their_mutants_killed(spec):
     assert sandwich_norm_decoder_layer(llama.model.layers[0]) is None
 
 
+def assert_rolled_back(model, plan, tmp_path, base: str, fusions: tuple[str, ...]) -> None:
+    """Each of ``fusions`` (tests/wrong_kernels.py) in recipe ``base``'s place is rolled back by the gate for its
+    error, and leaves no forward of its own on any module."""
+    for fusion in fusions:
+        patches = apply(model, [user_recipe(tmp_path / fusion, base, "wrong", fusion=f"wrong_kernels:{fusion}")])
+        report = validate(patches, plan)
+        assert report.rolled_back == ["wrong"] and "error" in report.recipes["wrong"].reason, (fusion, report)
+        assert all("forward" not in vars(m) for m in model.modules())
+
+
 def test_hyper_connections_are_found_by_what_they_compute():
     """DeepSeek-V4's mHC is found with the Sinkhorn iteration count and eps its config gives (read from what the
     module computes, not from its attribute names); its final collapse (one output, no Sinkhorn) and a norm are not
@@ -238,12 +248,7 @@ def test_hyper_connection_recipe_is_kept_and_its_wrong_kernels_rolled_back(tmp_p
     status = {mutant.name: mutant.status for mutant in result.mutants}
     assert {"rows 0 and 1 swapped", "last row stale", "first block dropped"} <= set(status) and set(
         status.values()) == {"killed"}, status
-    for fusion in ("mixing_single_iteration", "mixing_without_base"):
-        patches = apply(model, [user_recipe(tmp_path / fusion, "hyper_connection", "wrong",
-                                            fusion=f"wrong_kernels:{fusion}")])
-        report = validate(patches, plan)
-        assert report.rolled_back == ["wrong"] and "error" in report.recipes["wrong"].reason, (fusion, report)
-        assert all("forward" not in vars(m) for m in model.modules())
+    assert_rolled_back(model, plan, tmp_path, "hyper_connection", ("mixing_single_iteration", "mixing_without_base"))
 
 
 def test_grouped_projections_are_found_by_what_they_compute():
@@ -269,12 +274,8 @@ def test_grouped_linear_recipe_is_kept_and_its_wrong_kernels_rolled_back(tmp_pat
     assert {"first block dropped", "last block dropped", "rows 0 and 1 swapped", "last row stale",
             "state kept across calls"} <= killed, result.mutants
     assert all(mutant.status != "survived" for mutant in result.mutants), result.mutants
-    for fusion in ("grouped_linear_shifted_blocks", "grouped_linear_as_one_block"):
-        patches = apply(model, [user_recipe(tmp_path / fusion, "grouped_linear", "wrong",
-                                            fusion=f"wrong_kernels:{fusion}")])
-        report = validate(patches, plan)
-        assert report.rolled_back == ["wrong"] and "error" in report.recipes["wrong"].reason, (fusion, report)
-        assert all("forward" not in vars(m) for m in model.modules())
+    assert_rolled_back(model, plan, tmp_path, "grouped_linear",
+                       ("grouped_linear_shifted_blocks", "grouped_linear_as_one_block"))
 
 
 def test_a_site_the_gate_cannot_replay_rolls_its_recipe_back():
