@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from optiq.fusions.launch import launch_options, multiprocessor_count, wait_for_predecessor
+from optiq.fusions.launch import launch_options, wait_for_predecessor
 
 BLOCK_K = 256  # elements of N D a program of the projection reads
 CHUNK_K = 16  # of them it multiplies at a time (64 bytes of a row of fn, in vector loads): see _project_kernel
@@ -162,21 +162,17 @@ def _hyper_connection_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Te
     post = torch.empty((tokens, n), dtype=torch.float32, device=streams.device)
     comb = torch.empty((tokens, n, n), dtype=torch.float32, device=streams.device)
     collapsed = torch.empty((tokens, d), dtype=streams.dtype, device=streams.device)
-    options = launch_options(streams)
     tokens_block = min(triton.next_power_of_2(tokens), TOKENS_BLOCK)
     torch.library.wrap_triton(_project_kernel)[(triton.cdiv(tokens, tokens_block), splits)](
         x, fn, partial, tokens, n * d, outputs, x.stride(0), fn.stride(0), partial.stride(0), partial.stride(1),
         TOKENS_BLOCK=tokens_block, OUT_BLOCK=triton.next_power_of_2(outputs + 1), BLOCK_K=BLOCK_K, CHUNK_K=CHUNK_K,
-        **options)
+        **launch_options(streams))
     mix_grid = (tokens, 1 + triton.cdiv(d, BLOCK_D))
-    # Under PDL a kernel's programs start as soon as its predecessor does and wait on their SMs for it: a mix of
-    # more programs than there are SMs would hold SMs the projection still needs, so it launches after it instead.
-    overlaps = mix_grid[0] * mix_grid[1] < multiprocessor_count(streams.device)
     torch.library.wrap_triton(_mix_kernel)[mix_grid](
         x, partial, base, scale, post, comb, collapsed, d, splits, norm_eps, hc_eps, iterations,
         x.stride(0), partial.stride(0), partial.stride(1), post.stride(0), comb.stride(0), collapsed.stride(0),
         N=n, N_BLOCK=triton.next_power_of_2(n), SPLIT_BLOCK=triton.next_power_of_2(splits), BLOCK_D=BLOCK_D,
-        **(options if overlaps else {"USE_PDL": False}))
+        **launch_options(streams, programs=mix_grid[0] * mix_grid[1]))
     return post.view(*leading, n), comb.view(*leading, n, n), collapsed.view(*leading, d)
 
 

@@ -47,10 +47,12 @@ def enabled(tensor: torch.Tensor) -> bool:
             and os.environ.get("OPTIQ_PDL", "1") != "0" and torch.cuda.get_device_capability(tensor.device)[0] >= 9)
 
 
-def launch_options(tensor: torch.Tensor) -> dict:
+def launch_options(tensor: torch.Tensor, programs: int | None = None) -> dict:
     """Keyword arguments for a kernel launched on ``tensor``'s device: the kernel's ``USE_PDL`` and Triton's
-    ``launch_pdl``, set together (a kernel launched with PDL must wait for its predecessor)."""
-    on = enabled(tensor)
+    ``launch_pdl``, set together (a kernel launched with PDL must wait for its predecessor). Given its ``programs``,
+    a kernel of as many programs as the device has SMs or more launches without PDL: under PDL its programs start
+    as soon as its predecessor does and wait on their SMs, holding SMs the predecessor still needs."""
+    on = enabled(tensor) and (programs is None or programs < multiprocessor_count(tensor.device))
     return {"USE_PDL": on, "launch_pdl": on} if on else {"USE_PDL": False}
 
 
