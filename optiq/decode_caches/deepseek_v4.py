@@ -72,6 +72,11 @@ def _mask(implementation_mask, **kwargs) -> torch.Tensor | None:
                                                                                       torch.finfo(dtype).min)
 
 
+def _output_dtype(norm: torch.nn.Module, width: int, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype ``norm`` gives an input of ``dtype``: its weights' (fp32 in transformers 5.25) or the input's."""
+    return norm(torch.zeros(1, 1, width, dtype=dtype, device=device)).dtype
+
+
 class _Compression:
     """One compressor's state (a layer's, or a CSA indexer's): per-position projections and per-window entries.
 
@@ -83,8 +88,7 @@ class _Compression:
         self.rate, self.overlap, self.head_dim = compressor.compress_rate, overlap, compressor.head_dim
         width = compressor.kv_proj.out_features
         gate_dtype = torch.promote_types(dtype, compressor.position_bias.dtype)  # HF adds the bias, promoting
-        probe = torch.zeros(1, 1, self.head_dim, dtype=dtype, device=device)
-        entry_dtype = compressor.kv_norm(probe).dtype  # what the norm makes of pooled kv (fp32 weights or not)
+        entry_dtype = _output_dtype(compressor.kv_norm, self.head_dim, dtype, device)  # of the pooled kv's norm
         # Whole windows (the last one's positions past max_len are pooled, never seen), and zeros, not empty: a
         # masked slot is multiplied by a zero weight, which a NaN of garbage would survive.
         windows = -(-max_len // self.rate)
@@ -153,9 +157,8 @@ class _Layer:
                  device: torch.device):
         self.sliding_window = attention.sliding_window
         self.mask_dtype = dtype  # HF's masks have the dtype of the embeddings
-        probe = torch.zeros(1, 1, attention.head_dim, dtype=dtype, device=device)
-        self.window = torch.zeros(batch, max_len, attention.head_dim, dtype=attention.kv_norm(probe).dtype,
-                                  device=device)
+        self.window = torch.zeros(batch, max_len, attention.head_dim, device=device,
+                                  dtype=_output_dtype(attention.kv_norm, attention.head_dim, dtype, device))
         compressor = attention.compressor
         self.compression = self.indexing = None
         if compressor is not None:
