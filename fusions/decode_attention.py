@@ -15,12 +15,17 @@ Layouts:
   starts   [B] or None        first attended position per sequence (a sliding window's start); 0 when None
   sinks    [Hq] or None       per-head attention-sink logits (GPT-OSS): a column every row's softmax counts in
                               its denominator, with no value
+  visible  [B, L_max] or None which positions each sequence sees, as a boolean mask (True = attend) on top of the
+                              span: keys gathered from several places (DeepSeek-V4's sliding window and selected
+                              compressed entries), padding
   returns  [B, 1, Hq, D]      in q's dtype: what HF's attention interface returns (attn_output before
                               the reshape to [B, 1, Hq*D])
 
 The variants the transformers zoo asks of decode attention are parameters of the one kernel: a sliding window
 (positions from `starts` on only: Mistral, Gemma 2/3, GPT-OSS), logit softcapping (scores become
-softcap * tanh(scores / softcap), Gemma 2) and attention sinks.
+softcap * tanh(scores / softcap), Gemma 2), attention sinks, and a visibility mask. A query group too wide for one
+tile (DeepSeek-V4's 64 heads of 512 over one shared KV head) is cut into blocks of heads, each reading the KV once;
+keys that are their own values (k_cache is v_cache) are loaded once.
 """
 
 import os
@@ -61,10 +66,12 @@ def accurate_tanh(x):
 def online_softmax_step(scores, values, running_max, running_sum, acc, DOT_PRECISION: tl.constexpr):
     """Fold one block of log2-scaled scores [rows, N] and its values [N, D] into the running max, sum and output.
 
-    Every block must hold at least one valid position, so the new max is finite and no -inf - -inf arises."""
+    A row that has seen no valid position yet (a block wholly masked by a visibility mask) keeps a max of -inf;
+    its exponentials are pivoted at 0 instead, so no -inf - -inf arises and its sum stays 0."""
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-    correction = tl.exp2(running_max - new_max)
-    p = tl.exp2(scores - new_max[:, None])
+    pivot = tl.where(new_max > float("-inf"), new_max, 0.0)
+    correction = tl.exp2(running_max - pivot)
+    p = tl.exp2(scores - pivot[:, None])
     running_sum = running_sum * correction + tl.sum(p, axis=1)
     acc = acc * correction[:, None] + tl.dot(p.to(values.dtype), values, input_precision=DOT_PRECISION)
     return new_max, running_sum, acc
@@ -80,30 +87,31 @@ def split_result(running_max, running_sum, acc):
 
 @triton.jit
 def _decode_attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, lengths_ptr, starts_ptr, partial_out_ptr, partial_lse_ptr,
+    q_ptr, k_ptr, v_ptr, lengths_ptr, starts_ptr, visible_ptr, partial_out_ptr, partial_lse_ptr,
     scale_log2e, softcap_log2e,
     q_stride_b, q_stride_h,
     k_stride_b, k_stride_h, k_stride_n,
-    v_stride_b, v_stride_h, v_stride_n,
-    num_kv_heads, group_size, head_dim, split_len, num_splits,
+    v_stride_b, v_stride_h, v_stride_n, visible_stride_b,
+    num_kv_heads, group_size, head_blocks, head_dim, split_len, num_splits,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr, SOFTCAP: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_VISIBLE: tl.constexpr, SHARED_KV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """One (sequence, kv head, split): online softmax over the split's valid positions for the whole query group.
+    """One (sequence, kv head, block of its query heads, split): online softmax over the split's valid positions.
 
-    Writes the split's normalised output and its log2-sum-exp2 (-inf when the split starts past the sequence's
-    length: the loop then runs zero times and the combine gives the split zero weight).
+    Writes the split's normalised output and its log2-sum-exp2 (-inf when the split holds no position the
+    sequence sees: the combine then gives it zero weight).
     """
     wait_for_predecessor(USE_PDL)
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
-    batch = (pid_bh // num_kv_heads).to(tl.int64)
-    kv_head = pid_bh % num_kv_heads
+    batch = (pid_bh // (num_kv_heads * head_blocks)).to(tl.int64)
+    kv_head = pid_bh // head_blocks % num_kv_heads
+    head_block = pid_bh % head_blocks
 
     start, end = split_bounds(lengths_ptr, starts_ptr, batch, split, split_len, HAS_STARTS)
 
-    rows = tl.arange(0, BLOCK_G)
+    rows = head_block * BLOCK_G + tl.arange(0, BLOCK_G)
     cols = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     row_mask = rows < group_size
@@ -125,9 +133,14 @@ def _decode_attention_split_kernel(
     for block_start in range(start, end, BLOCK_N):
         positions = block_start + offs_n
         pos_mask = positions < end
+        if HAS_VISIBLE:
+            pos_mask &= tl.load(visible_ptr + batch * visible_stride_b + positions, mask=pos_mask, other=0) != 0
         kv_mask = pos_mask[:, None] & col_mask[None, :]
         k = tl.load(k_base + positions[:, None] * k_stride_n + cols[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + positions[:, None] * v_stride_n + cols[None, :], mask=kv_mask, other=0.0)
+        if SHARED_KV:
+            v = k
+        else:
+            v = tl.load(v_base + positions[:, None] * v_stride_n + cols[None, :], mask=kv_mask, other=0.0)
         if UPCAST_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -187,22 +200,30 @@ TILE_GRID = [dict(BLOCK_N=n, SPLITS=splits, num_warps=w, num_stages=st)  # what 
              for n in (32, 64, 128) for splits in (1, 2, 4) for w in (4, 8) for st in (2, 3, 4)]
 
 
-def tile_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, device: torch.device) -> dict:
-    """BLOCK_N (positions a tile), SPLITS (programs a sequence's KV head is split over), num_warps and num_stages,
-    from shapes alone, never from `lengths`' values.
+def tile_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, device: torch.device,
+                group_size: int = 1) -> dict:
+    """BLOCK_G (query heads a program), BLOCK_N (positions a tile), SPLITS (programs a sequence's KV head and head
+    block is split over), num_warps and num_stages, from shapes alone, never from `lengths`' values.
 
-    A K or V tile of ~16 KB (64 positions at D=128) keeps loads 16-byte wide. Splits are added until there is
-    about one program per SM, so B=1 still spreads the cache over the chip while large batches pay no combine
-    traffic; with fewer than two programs per SM each keeps three stages of loads in flight, with more, two
-    stages leave room for three programs per SM. Measured on an H200 (bf16, llama-3.1-8b heads, context 1024,
-    CUDA-graph replay): B=64 reads the KV cache at 4.0 TB/s, B=16 at ~3.0 TB/s.
+    A program takes its KV head's whole query group up to 8K output elements (16 heads of 512, 64 of 128): the fp32
+    accumulator then stays in registers, and a wider group reads its KV once a head block. A K or V tile of ~16 KB
+    (64 positions at D=128) keeps loads 16-byte wide. Splits are added until there is about one program per SM, so
+    B=1 still spreads the cache over the chip while large batches pay no combine traffic; with fewer than two
+    programs per SM each keeps three stages of loads in flight, with more, two stages leave room for three programs
+    per SM. A tile of 8K outputs takes eight warps and two stages (its K tile alone is 32 KB at D=512). Measured on
+    an H200 (bf16, llama-3.1-8b heads, context 1024, CUDA-graph replay): B=64 reads the KV cache at 4.0 TB/s, B=16
+    at ~3.0 TB/s.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_g = min(max(16, triton.next_power_of_2(group_size)), max(16, 8192 // block_d))
     block_n = min(max(8192 // block_d, 32), 128, max(16, triton.next_power_of_2(max_len)))
     num_sms = multiprocessor_count(device)
-    splits = triton.cdiv(num_sms, batch * num_kv_heads)
-    num_stages = 3 if batch * num_kv_heads * splits < 2 * num_sms else 2
-    return dict(BLOCK_N=block_n, SPLITS=splits, num_warps=4, num_stages=num_stages)
+    programs = batch * num_kv_heads * triton.cdiv(group_size, block_g)
+    splits = triton.cdiv(num_sms, programs)
+    if block_g * block_d >= 8192:
+        return dict(BLOCK_G=block_g, BLOCK_N=block_n, SPLITS=splits, num_warps=8, num_stages=2)
+    num_stages = 3 if programs * splits < 2 * num_sms else 2
+    return dict(BLOCK_G=block_g, BLOCK_N=block_n, SPLITS=splits, num_warps=4, num_stages=num_stages)
 
 
 def split_layout(max_len: int, block_n: int, splits: int) -> tuple[int, int]:
@@ -215,7 +236,8 @@ def split_layout(max_len: int, block_n: int, splits: int) -> tuple[int, int]:
 @torch.library.triton_op("optiq::decode_attention", mutates_args=())
 def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                          scale: float, num_splits: int | None = None, starts: torch.Tensor | None = None,
-                         softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                         visible: torch.Tensor | None = None) -> torch.Tensor:
     batch, num_q_heads, q_len, head_dim = q.shape
     _, num_kv_heads, max_len, _ = k_cache.shape
     torch._check(q_len == 1, lambda: "decode_attention takes one query token per sequence")
@@ -223,28 +245,33 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     torch._check(v_cache.shape == k_cache.shape, lambda: "k_cache and v_cache shapes differ")
     torch._check(q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1,
                  lambda: "head_dim must be the innermost, unit-stride axis")
+    torch._check(visible is None or (visible.shape == (batch, max_len) and visible.stride(-1) == 1),
+                 lambda: "visible must be [batch, cache positions] with a unit last stride")
     group_size = num_q_heads // num_kv_heads
-    config = tile_config(batch, num_kv_heads, max_len, head_dim, q.device)
-    block_n, num_warps, num_stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
+    config = tile_config(batch, num_kv_heads, max_len, head_dim, q.device, group_size)
+    block_g, block_n = config["BLOCK_G"], config["BLOCK_N"]
+    head_blocks = triton.cdiv(group_size, block_g)
     split_len, splits = split_layout(max_len, block_n, num_splits or config["SPLITS"])
     block_d = max(16, triton.next_power_of_2(head_dim))
+    shared_kv = k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride()
 
     partial_out = torch.empty((batch, num_q_heads, splits, head_dim), device=q.device, dtype=torch.float32)
     partial_lse = torch.empty((batch, num_q_heads, splits), device=q.device, dtype=torch.float32)
     out = torch.empty((batch, 1, num_q_heads, head_dim), device=q.device, dtype=q.dtype)
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    torch.library.wrap_triton(_decode_attention_split_kernel)[(batch * num_kv_heads, splits)](
-        q, k_cache, v_cache, lengths, lengths if starts is None else starts, partial_out, partial_lse,
+    torch.library.wrap_triton(_decode_attention_split_kernel)[(batch * num_kv_heads * head_blocks, splits)](
+        q, k_cache, v_cache, lengths, lengths if starts is None else starts, lengths if visible is None else visible,
+        partial_out, partial_lse,
         scale * LOG2E, softcap * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_kv_heads, group_size, head_dim, split_len, splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=block_n, BLOCK_D=block_d,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 0 if visible is None else visible.stride(0),
+        num_kv_heads, group_size, head_blocks, head_dim, split_len, splits,
+        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST_DOT=interpreted, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        HAS_STARTS=starts is not None, SOFTCAP=softcap > 0,
-        num_warps=num_warps, num_stages=num_stages, **launch_options(q),
+        HAS_STARTS=starts is not None, SOFTCAP=softcap > 0, HAS_VISIBLE=visible is not None, SHARED_KV=shared_kv,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **launch_options(q),
     )
     torch.library.wrap_triton(_decode_attention_combine_kernel)[(batch * num_q_heads,)](
         partial_out, partial_lse, partial_lse if sinks is None else sinks, out, head_dim, splits, num_q_heads,
@@ -256,18 +283,22 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                      scale: float, num_splits: int | None = None, starts: torch.Tensor | None = None,
-                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale) v over cache positions [starts[b], lengths[b]) of each sequence; returns [B, 1, Hq, D].
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                     visible: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over cache positions [starts[b], lengths[b]) of each sequence that `visible[b]`
+    lets in (all of them without it); returns [B, 1, Hq, D].
 
     softcap > 0 caps the scores, sinks add a per-head logit to each softmax's denominator. num_splits overrides
     the shape-based choice of KV splits (for tests and tuning).
     """
-    return torch.ops.optiq.decode_attention(q, k_cache, v_cache, lengths, scale, num_splits, starts, softcap, sinks)
+    return torch.ops.optiq.decode_attention(q, k_cache, v_cache, lengths, scale, num_splits, starts, softcap, sinks,
+                                            visible)
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                lengths: torch.Tensor, scale: float, starts: torch.Tensor | None = None,
-                               softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                               softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                               visible: torch.Tensor | None = None) -> torch.Tensor:
     """Masked softmax in float64, grouping query heads by kv head instead of copying K/V; the sinks as an extra
     score column whose probability is dropped, as transformers' eager GPT-OSS attention computes them.
 
@@ -279,6 +310,8 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     valid = positions < lengths.to(q.device)[:, None]
     if starts is not None:
         valid &= positions >= starts.to(q.device)[:, None]
+    if visible is not None:
+        valid &= visible.to(q.device)
     keys = torch.where(valid[:, None, :, None], k_cache.double(), 0.0)
     values = torch.where(valid[:, None, :, None], v_cache.double(), 0.0)
     scores = torch.einsum("bhgd,bhnd->bhgn", grouped_q, keys) * scale
@@ -307,9 +340,11 @@ ATTENTION_SHAPES = {  # (query heads, kv heads, head_dim) of the presets' decode
 
 
 def benchmark_case(rows: int, dtype: torch.dtype, device) -> dict:
-    """The presets' decode attention at context 1024 in a 1024-long static cache."""
-    return {f"decode_attention {label}": _attention_case(rows, *shape, dtype, device)
-            for label, shape in ATTENTION_SHAPES.items()}
+    """The presets' decode attention at context 1024 in a 1024-long static cache, and DeepSeek-V4-Flash's over the
+    keys its static cache gathers."""
+    cases = {f"decode_attention {label}": _attention_case(rows, *shape, dtype, device)
+             for label, shape in ATTENTION_SHAPES.items()}
+    return {**cases, "decode_attention deepseek-v4-flash": _gathered_case(rows, dtype, device)}
 
 
 def _attention_case(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -337,4 +372,35 @@ def _attention_case(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: in
         "eager": eager,
         "bytes": kv_bytes + 2 * q.numel() * element + lengths.numel() * lengths.element_size(),
         "flops": 4 * rows * num_q_heads * max_len * head_dim,
+    }
+
+
+def _gathered_case(rows: int, dtype: torch.dtype, device, heads: int = 64, head_dim: int = 512,
+                   window: int = 128, entries: int = 160) -> dict:
+    """A DeepSeek-V4-Flash CSA layer's decode at position 640 (W1's prompt and new tokens): 64 query heads over one
+    key-value head (keys are their values) of 512, gathered as its static cache does (the 128-position window, then
+    the indexer's picks of the 160 closed entries), with its per-head sinks; "eager" is HF's eager attention over
+    them (the KV head repeated to every query head, the sinks a softmax column)."""
+    generator = torch.Generator(device=device).manual_seed(rows)
+    keys_len = window + entries
+    q = torch.randn(rows, heads, 1, head_dim, device=device, dtype=dtype, generator=generator)
+    keys = torch.randn(rows, 1, keys_len, head_dim, device=device, dtype=dtype, generator=generator)
+    sinks = torch.randn(heads, device=device, dtype=torch.float32, generator=generator)
+    visible = torch.ones(rows, keys_len, device=device, dtype=torch.bool)
+    lengths = torch.full((rows,), keys_len, device=device, dtype=torch.int64)
+    scale = head_dim ** -0.5
+
+    def eager():
+        repeated = _repeat_kv(keys, heads)
+        scores = torch.matmul(q, repeated.transpose(2, 3)) * scale
+        scores = torch.cat([scores, sinks.to(dtype).reshape(1, -1, 1, 1).expand(rows, -1, 1, 1)], dim=-1)
+        probs = torch.softmax(scores.float(), dim=-1).to(dtype)[..., :keys_len]
+        return torch.matmul(probs, repeated).transpose(1, 2).contiguous()
+
+    element = q.element_size()
+    return {
+        "fused": lambda: decode_attention(q, keys, keys, lengths, scale, sinks=sinks, visible=visible),
+        "eager": eager,
+        "bytes": rows * keys_len * head_dim * element + 2 * q.numel() * element + visible.numel(),
+        "flops": 4 * rows * heads * keys_len * head_dim,
     }

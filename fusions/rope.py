@@ -180,6 +180,70 @@ def rope(
     return q, k
 
 
+
+@triton.jit
+def _trailing_rope_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr, heads, seq_len, head_dim, nope,
+    stride_xb, stride_xh, stride_xs, stride_cb, stride_cs, stride_sb, stride_ss,
+    HALF: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One program per (sequence, head, token) row: the first ``nope`` channels copied, the pairs (2i, 2i + 1) of
+    the rest rotated by angle i in fp32, rounded once."""
+    wait_for_predecessor(USE_PDL)
+    row = tl.program_id(0)
+    s = row % seq_len
+    h = row // seq_len % heads
+    b = (row // (seq_len * heads)).to(tl.int64)
+    x_row = x_ptr + b * stride_xb + h * stride_xh + s * stride_xs
+    out_row = out_ptr + row.to(tl.int64) * head_dim
+    cols = tl.arange(0, BLOCK_D)
+    kept = cols < nope
+    tl.store(out_row + cols, tl.load(x_row + cols, mask=kept), mask=kept)
+    pairs = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + b * stride_cb + s * stride_cs + pairs).to(tl.float32)
+    sin = tl.load(sin_ptr + b * stride_sb + s * stride_ss + pairs).to(tl.float32)
+    even = tl.load(x_row + nope + 2 * pairs).to(tl.float32)
+    odd = tl.load(x_row + nope + 2 * pairs + 1).to(tl.float32)
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    tl.store(out_row + nope + 2 * pairs, (even * cos - odd * sin).to(dtype))
+    tl.store(out_row + nope + 2 * pairs + 1, (odd * cos + even * sin).to(dtype))
+
+
+@torch.library.triton_op("optiq::trailing_rope", mutates_args=())
+def _trailing_rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    batch, heads, seq_len, head_dim = x.shape
+    half = cos.shape[-1]
+    torch._check(x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1,
+                 lambda: "the channel axis must be the innermost, unit-stride axis")
+    cos, sin = cos.expand(batch, seq_len, half), sin.expand(batch, seq_len, half)  # one row may serve the batch
+    out = torch.empty((batch, heads, seq_len, head_dim), device=x.device, dtype=x.dtype)
+    torch.library.wrap_triton(_trailing_rope_kernel)[(batch * heads * seq_len,)](
+        x, cos, sin, out, heads, seq_len, head_dim, head_dim - 2 * half,
+        x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        HALF=half, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1, **launch_options(x),
+    )
+    return out
+
+
+def trailing_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's rotary embedding of one tensor, out of place: x [B, H, S, D] (any strides but a unit last one)
+    keeps its first D - 2R channels and has its last 2R rotated as interleaved pairs, pair i by the angle whose cos
+    and sin are cos[b, s, i] and sin[b, s, i] ([B or 1, S, R]: one entry per pair, as V4's rotary module makes
+    them), the products in fp32 and the result rounded once to x's dtype. R must be a power of two."""
+    half = cos.shape[-1]
+    if x.ndim != 4 or cos.shape != sin.shape or cos.ndim != 3 or 2 * half > x.shape[-1] or half & (half - 1):
+        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    return torch.ops.optiq.trailing_rope(x, cos, sin)
+
+
+def trailing_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The same rotation in plain torch: pair i of the rotated channels as a complex number times e^(i angle)."""
+    rotated = 2 * cos.shape[-1]
+    pairs = x[..., -rotated:].double().unflatten(-1, (-1, 2))
+    turn = torch.complex(cos.double(), sin.double()).unsqueeze(1)
+    turned = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * turn).flatten(-2)
+    return torch.cat([x[..., :-rotated], turned.to(x.dtype)], dim=-1)
+
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
     """HF's Qwen3RMSNorm: fp32 (or the input's float64) statistics, cast back, then the weight in the model dtype;
     or Gemma3RMSNorm (offset): the statistics times 1 + w in fp32, cast once."""

@@ -293,13 +293,33 @@ def test_a_site_the_gate_cannot_replay_rolls_its_recipe_back():
     assert all("forward" not in vars(m) for m in model.modules() if m not in attentions)
 
 
-def test_on_the_v4_static_cache_the_attention_call_replays():
-    """On optiq's static cache a V4 step's mask covers every key it attends to, the ones a query does not see said
-    as padding, through the implementation's mask function: decode_attention's recorded calls replay, and since its
-    kernel runs spans of a cache and not a padded mask, each goes back to the eager path and the recipe is rolled
-    back with nothing to keep."""
+def test_on_the_v4_static_cache_decode_attention_is_kept_and_its_wrong_kernels_rolled_back(tmp_path):
+    """On optiq's static cache a V4 step's mask covers the keys it gathered (the window, then the closed or selected
+    compressed entries), the ones a query does not see said as padding: the interface hands that visibility and
+    the sinks to the kernel, which runs every call and passes the gate on both passes with its mutants killed. A
+    kernel that attends every gathered key, or forgets the sinks, is rolled back."""
     model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
-    report = validate(apply(model, [load_catalog()["decode_attention"]]), GatePlan((2,), steps=3, prompt_len=9))
-    assert report.rolled_back == ["decode_attention"], report
-    assert "ran at none of its" in report.recipes["decode_attention"].reason
-    assert all("forward" not in vars(m) for m in model.modules())
+    plan = GatePlan((2,), steps=3, prompt_len=9)
+    result = verify(model, [load_catalog()["decode_attention"]], plan)["decode_attention"]
+    assert result.real == "passed", result.real
+    assert result.mutants and all(mutant.status != "survived" for mutant in result.mutants), result.mutants
+    patches = apply(model, [load_catalog()["decode_attention"]])
+    report = validate(patches, plan)
+    assert report.passed and report.recipes["decode_attention"].calls > 0, report
+    patches.undo()
+    assert_rolled_back(model, plan, tmp_path, "decode_attention",
+                       ("attention_ignores_visibility", "attention_without_sinks"))
+
+
+def test_v4_one_tensor_rotation_is_kept_and_its_wrong_kernels_rolled_back(tmp_path):
+    """trailing_rope on every V4 rotation (queries, keys, the output's inverse, compressed entries, the indexer's
+    queries) on both passes with its mutants killed; the llama family's rope, written for (q, k, cos, sin), finds
+    no site; a rotation the wrong way and the half-split pairing are rolled back."""
+    model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
+    plan = GatePlan((2,), steps=3, prompt_len=9)
+    result = verify(model, [load_catalog()["trailing_rope"]], plan)["trailing_rope"]
+    assert result.real == "passed", result.real
+    assert result.mutants and all(mutant.status != "survived" for mutant in result.mutants), result.mutants
+    patches = apply(model, [load_catalog()["rope"]])
+    assert not patches.applied and "no site" in patches.not_applicable["rope"], patches.not_applicable
+    assert_rolled_back(model, plan, tmp_path, "trailing_rope", ("trailing_rope_wrong_way", "trailing_rope_half_split"))

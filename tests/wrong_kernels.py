@@ -14,7 +14,7 @@ from optiq.fusions.mla_decode import mla_decode_reference
 from optiq.fusions.moe_experts import moe_experts_reference
 from optiq.fusions.moe_router import route_reference
 from optiq.fusions.rmsnorm import rmsnorm_reference
-from optiq.fusions.rope import rope_reference
+from optiq.fusions.rope import rope_reference, trailing_rope_reference
 from optiq.fusions.swiglu import swiglu_reference
 from optiq.patching.structure import stream_mixing
 
@@ -153,3 +153,28 @@ def grouped_linear_as_one_block(x, weight, groups):
     flat = x.flatten(-2)
     dense = weight.repeat(1, groups)[:, :flat.shape[-1]]
     return torch.nn.functional.linear(flat, dense).view(*x.shape[:-1], -1) / groups
+
+
+def attention_ignores_visibility(q, k_cache, v_cache, lengths, scale, sinks=None, visible=None):
+    """Decode attention over gathered keys that attends all of them: the window's unfilled slots and the compressed
+    entries not yet closed or not selected are weighed too."""
+    return decode_attention_reference(q, k_cache, v_cache, lengths, scale, sinks=sinks)
+
+
+def attention_without_sinks(q, k_cache, v_cache, lengths, scale, sinks=None, visible=None):
+    """Decode attention that drops the sink logits from each softmax's denominator."""
+    return decode_attention_reference(q, k_cache, v_cache, lengths, scale, visible=visible)
+
+
+def trailing_rope_wrong_way(x, cos, sin):
+    """DeepSeek-V4's rotation by -angle."""
+    return trailing_rope_reference(x, cos, -sin)
+
+
+def trailing_rope_half_split(x, cos, sin):
+    """DeepSeek-V4's rotated channels paired as the llama family pairs them (i with i + R) instead of interleaved."""
+    rotated = 2 * cos.shape[-1]
+    head = x[..., -rotated:]
+    interleaved = torch.stack(head.chunk(2, dim=-1), dim=-1).flatten(-2)
+    turned = trailing_rope_reference(torch.cat([x[..., :-rotated], interleaved], dim=-1), cos, sin)[..., -rotated:]
+    return torch.cat([x[..., :-rotated], torch.cat([turned[..., 0::2], turned[..., 1::2]], dim=-1)], dim=-1)

@@ -91,7 +91,7 @@ class Function(PatchKind):
         return (("function", recipe.patch_target[0]),)
 
     def sites(self, model, recipe, fusion, factory):
-        module_name, _, name = recipe.patch_target[0].rpartition(":")
+        module_name, name, leading = _function_target(recipe.patch_target[0])
         if module_name:
             namespaces = [run(f"importing {module_name}", importlib.import_module, module_name)]
         else:
@@ -99,10 +99,31 @@ class Function(PatchKind):
         found = []
         for namespace in (ns for ns in namespaces if callable(vars(ns).get(name))):
             original = _plain_function(vars(namespace)[name])
+            if leading and not _takes_first(original, leading):
+                continue
             label = f"{namespace.__name__}.{name}"
             found.append(Site(label, original, run(f"patch.with on {label}", factory, original, fusion),
                               lambda fn, namespace=namespace: set_attribute(namespace, name, fn)))
         return found
+
+
+def _function_target(target: str) -> tuple[str, str, tuple[str, ...]]:
+    """(module, name, leading parameters) of a function patch's target ``[module:]name[(a, b, ...)]``. Parameters,
+    where given, narrow it to the functions of that name that take them first: one name may stand for two
+    computations (``apply_rotary_pos_emb(q, k, cos, sin)``, the llama family's rotation of q and k, and
+    ``apply_rotary_pos_emb(x, cos, sin)``, DeepSeek-V4's of one tensor), and two recipes of one name but other
+    parameters claim different functions."""
+    spec, _, parameters = target.partition("(")
+    module_name, _, name = spec.rpartition(":")
+    return module_name, name.strip(), tuple(p.strip() for p in parameters.rstrip(")").split(",") if p.strip())
+
+
+def _takes_first(function: Any, parameters: tuple[str, ...]) -> bool:
+    try:
+        names = tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # no signature to read: not the function the recipe was written for
+        return False
+    return names[:len(parameters)] == parameters
 
 
 def _plain_function(value: Any) -> Any:

@@ -176,6 +176,51 @@ def test_wrong_length_or_scale_fails_the_comparison():
         assert not torch.allclose(out.double(), wrong, rtol=1e-3, atol=1e-3)
 
 
+def random_visibility(seed, batch, max_len, device):
+    """A mask of the kind gathered keys have: scattered positions, a run longer than any tile wholly hidden (so a
+    block holds no visible key), and one sequence that sees nothing."""
+    generator = torch.Generator().manual_seed(seed)
+    visible = torch.rand(batch, max_len, generator=generator) < 0.6
+    visible[0, 10:150] = False
+    visible[-1] = False
+    return visible.to(device)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_visibility_mask_with_sinks(num_splits):
+    """Only the visible positions count, hidden ones may hold anything, whole tiles of hidden keys leave no NaN, and a
+    sequence that sees nothing gives zeros (its sinks take the whole softmax)."""
+    batch, max_len = 3, 200
+    q, k_cache, v_cache, lengths = make_inputs(260 + num_splits, batch, 8, 2, 16, max_len, [max_len] * batch,
+                                               torch.float32, SMALL_DEVICE)
+    visible = random_visibility(num_splits, batch, max_len, SMALL_DEVICE)
+    hidden = ~visible[:, None, :, None]
+    poisoned = [cache.masked_fill(hidden, float("nan")) for cache in (k_cache, v_cache)]
+    sinks = random_sinks(num_splits, 8, SMALL_DEVICE)
+    out = decode_attention(q, *poisoned, lengths, 0.3, num_splits, sinks=sinks, visible=visible)
+    want = reference(q, k_cache, v_cache, lengths, 0.3, sinks=sinks, visible=visible)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert (out[-1] == 0).all()
+    assert not torch.allclose(want, reference(q, k_cache, v_cache, lengths, 0.3, sinks=sinks), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("num_q_heads", [48, 64])
+def test_wide_query_group_over_keys_that_are_their_values(num_q_heads):
+    """DeepSeek-V4's layout: every query head over one shared KV head whose keys are its values (one tensor), 512
+    wide, so the group is cut into blocks of heads (48 leaves a last block part-filled)."""
+    batch, head_dim, max_len = 2, 512, 40
+    q, keys, _, lengths = make_inputs(270 + num_q_heads, batch, num_q_heads, 1, head_dim, max_len, [40, 23],
+                                      torch.float32, SMALL_DEVICE)
+    visible = random_visibility(num_q_heads, batch, max_len, SMALL_DEVICE)
+    visible[-1, :3] = True
+    sinks = random_sinks(num_q_heads, num_q_heads, SMALL_DEVICE)
+    out = decode_attention(q, keys, keys, lengths, head_dim ** -0.5, sinks=sinks, visible=visible)
+    want = reference(q, keys, keys, lengths, head_dim ** -0.5, sinks=sinks, visible=visible)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
 # (num_q_heads, num_kv_heads, head_dim) of qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, qwen3-30b-a3b, tiny presets
 PRESET_HEADS = [(16, 8, 128), (32, 8, 64), (32, 8, 128), (32, 4, 128), (4, 2, 16)]
 
@@ -214,6 +259,24 @@ def test_zoo_variants_cuda(batch, variant):
 
 
 @needs_cuda
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_deepseek_v4_gathered_keys_cuda(batch):
+    """DeepSeek-V4-Flash's CSA call, bf16: 64 heads of 512 over one shared key-value tensor, the 128-window and 160
+    entries gathered, part of them hidden, and its sinks; a graph replay follows a new visibility."""
+    q, keys, _, lengths = make_inputs(320 + batch, batch, 64, 1, 512, 288, [288] * batch, torch.bfloat16, "cuda")
+    visible = random_visibility(batch, batch, 288, "cuda")
+    visible[-1, -1] = True
+    sinks = random_sinks(batch, 64, "cuda")
+    out = decode_attention(q, keys, keys, lengths, 512 ** -0.5, sinks=sinks, visible=visible)
+    want = reference(q, keys, keys, lengths, 512 ** -0.5, sinks=sinks, visible=visible)
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+    assert_graph_replay_and_compile(
+        lambda: decode_attention(q, keys, keys, lengths, 512 ** -0.5, sinks=sinks, visible=visible),
+        lambda: visible.copy_(random_visibility(batch + 1, batch, 288, "cuda")),
+        same=lambda got, want: torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3))
+
+
+@needs_cuda
 @pytest.mark.parametrize("num_splits", [1, 5, 16])
 def test_float32_cuda(num_splits):
     """fp32 dots must run in full precision (not tf32) to meet the fp32 tolerance."""
@@ -234,9 +297,14 @@ def test_cuda_graph_capture_and_compile():
 
 def test_benchmark_cases_run():
     rows, dtype = (16, torch.bfloat16) if CUDA else (1, torch.float32)
+    cases = benchmark_case(rows, dtype, SMALL_DEVICE)
     for label, (num_q_heads, num_kv_heads, head_dim) in ATTENTION_SHAPES.items():
-        case = benchmark_case(rows, dtype, SMALL_DEVICE)[f"decode_attention {label}"]
+        case = cases[f"decode_attention {label}"]
         fused, eager = case["fused"](), case["eager"]()
         assert fused.shape == eager.shape == (rows, 1, num_q_heads, head_dim)
         torch.testing.assert_close(fused, eager, rtol=TOLERANCES[dtype], atol=TOLERANCES[dtype])
         assert case["bytes"] > 2 * rows * num_kv_heads * 1024 * head_dim * fused.element_size() and case["flops"] > 0
+    gathered = cases["decode_attention deepseek-v4-flash"]
+    fused, eager = gathered["fused"](), gathered["eager"]()
+    assert fused.shape == eager.shape == (rows, 1, 64, 512)
+    torch.testing.assert_close(fused, eager, rtol=TOLERANCES[dtype], atol=TOLERANCES[dtype])

@@ -6,7 +6,7 @@ CPU cases run the kernel under the Triton interpreter at small shapes; CUDA case
 import pytest
 import torch
 
-from optiq.fusions.rope import benchmark_case, rope, rope_reference
+from optiq.fusions.rope import benchmark_case, rope, rope_reference, trailing_rope, trailing_rope_reference
 from kernel_testing import CUDA, OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda
 
 # The interpreter rounds to bf16 by truncation, and rope rounds to the model dtype several times, as HF does.
@@ -225,3 +225,45 @@ def test_gemma_offset_qk_norm_against_hf(dtype):
     torch.testing.assert_close(got_k.float(), want_k.float(), rtol=tol, atol=tol)
     plain_q, _ = rope(case.q.clone(), case.k.clone(), case.cos, case.sin, *weights, EPS)
     assert not torch.allclose(plain_q.float(), want_q.float(), rtol=0.1, atol=0.1)
+
+
+def one_tensor_case(seed, batch, heads, head_dim, half, dtype, device, cos_batch=None):
+    """x as V4's attention has it (a projection viewed per head and transposed), cos / sin one entry a pair."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(batch, 1, heads * head_dim + SPARE, generator=generator, device=device, dtype=dtype)
+    x = x[..., :-SPARE].view(batch, 1, heads, head_dim).transpose(1, 2)
+    angles = torch.rand(cos_batch or batch, 1, half, generator=generator, device=device) * 50
+    return x, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cos_batch", [None, 1])
+def test_trailing_rope_is_deepseek_v4s_rotation(dtype, cos_batch):
+    """The kernel against V4's own apply_rotary_pos_emb (products in fp32, rounded once) and a float64 reference:
+    the leading channels pass, the trailing pairs turn; one row of cos / sin may serve the batch. At V4-Flash's
+    widths (64 heads of 512, 32 pairs) on a GPU."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+    batch, heads, head_dim, half = (3, 64, 512, 32) if CUDA else (3, 4, 40, 8)
+    x, cos, sin = one_tensor_case(7 + (cos_batch or 0), batch, heads, head_dim, half, dtype, SMALL_DEVICE, cos_batch)
+    before = x.clone()
+    out = trailing_rope(x, cos, sin)
+    assert torch.equal(x, before) and out.shape == x.shape and out.dtype == dtype
+    torch.testing.assert_close(out, apply_rotary_pos_emb(x, cos, sin), rtol=TOLERANCES[dtype], atol=1e-6)
+    want = trailing_rope_reference(x, cos, sin)
+    torch.testing.assert_close(out.double(), want.double(), rtol=TOLERANCES[dtype], atol=1e-6)
+    assert torch.equal(out[..., :head_dim - 2 * half], x[..., :head_dim - 2 * half])
+    assert not torch.allclose(out, trailing_rope_reference(x, cos, -sin), rtol=1e-2, atol=1e-2)
+
+
+def test_trailing_rope_refuses_shapes_it_does_not_rotate():
+    x, cos, sin = one_tensor_case(8, 2, 2, 16, 4, torch.float32, SMALL_DEVICE)
+    for args in ((x, cos[..., :3], sin[..., :3]), (x[..., :6], cos, sin), (x[0], cos, sin), (x, cos, sin[..., :2])):
+        with pytest.raises(ValueError, match="shapes do not fit"):
+            trailing_rope(*args)
+
+
+@needs_cuda
+def test_trailing_rope_graph_replay_and_compile():
+    x, cos, sin = one_tensor_case(9, 16, 64, 512, 32, torch.bfloat16, "cuda")
+    assert_graph_replay_and_compile(lambda: trailing_rope(x, cos, sin), lambda: cos.copy_(sin))

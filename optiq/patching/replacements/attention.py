@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from optiq.patching.structure import rms_norm, qkv_attention
@@ -116,30 +116,37 @@ def attention_prologue_forward(attn: torch.nn.Module, fusion):
     return forward
 
 
-def _filled_lengths(kwargs: dict) -> tuple[int, torch.Tensor]:
-    """(query length, cache positions filled once this step's tokens are written) from a mask call's arguments.
+def _query_length(kwargs: dict) -> int:
+    """How many query tokens a mask call is for: transformers 5.24 passes ``q_length``, 5.17 ``cache_position``."""
+    positions = kwargs.get("cache_position")
+    return kwargs["q_length"] if positions is None else positions.shape[0]
 
-    transformers 5.24 passes ``q_length`` and ``q_offset`` (a device tensor for a static cache); 5.17 passes
-    ``cache_position``, the query tokens' positions. Either way nothing is read back to the host."""
-    if "cache_position" in kwargs and kwargs["cache_position"] is not None:
-        positions = kwargs["cache_position"]
-        return positions.shape[0], positions[-1] + 1
-    q_length = kwargs["q_length"]
-    return q_length, torch.as_tensor(kwargs.get("q_offset", 0), device=kwargs.get("device")) + q_length
+
+def _filled_length(kwargs: dict) -> torch.Tensor:
+    """Cache positions filled once this step's tokens are written, from a mask call's arguments: the last query
+    position + 1 (5.17's ``cache_position``), or ``q_offset`` + ``q_length`` (5.24's; a device tensor for a static
+    cache). Nothing is read back to the host."""
+    positions = kwargs.get("cache_position")
+    if positions is not None:
+        return positions[-1] + 1
+    return torch.as_tensor(kwargs.get("q_offset", 0), device=kwargs.get("device")) + kwargs["q_length"]
 
 
 def _decode_spans(kwargs: dict) -> torch.Tensor | None:
-    """The cache positions each sequence's one new token attends, from a mask call's arguments: int64 [batch], the
-    filled lengths, for a causal mask; [2, batch], the first and one-past-last position, for a sliding window's
-    (``local_size``: key k is in where k > q - window, so the span starts at filled - window). None for a call whose
-    mask is more than a span (a prompt, padding, a custom overlay such as Gemma 3's image tokens, keys that do not
-    start at position 0)."""
-    q_length, filled = _filled_lengths(kwargs)
-    kv_offset = kwargs.get("kv_offset", 0)
-    if (q_length != 1 or kwargs.get("attention_mask") is not None or kwargs.get("use_vmap")
-            or not isinstance(kv_offset, int) or kv_offset != 0):
+    """What each sequence's one new token attends, from a mask call's arguments, in a form the attention function
+    tells from any mask: int64 [batch], the filled lengths, for a causal mask; int64 [2, batch], the first and
+    one-past-last position, for a sliding window's (``local_size``: key k is in where k > q - window, so the span
+    starts at filled - window); for one token under any other mask (padding, a custom overlay such as Gemma 3's
+    image tokens, DeepSeek-V4's gathered window and compressed entries), bool [batch, keys], which keys it sees,
+    as sdpa's mask says it. None for a prompt."""
+    if _query_length(kwargs) != 1:
         return None
-    filled = filled.reshape(1).to(torch.int64)
+    kv_offset = kwargs.get("kv_offset", 0)
+    if kwargs.get("attention_mask") is not None or kwargs.get("use_vmap") or not isinstance(kv_offset, int) \
+            or kv_offset != 0:
+        options = {name: value for name, value in kwargs.items() if not name.startswith("allow_is_")}
+        return sdpa_mask(**options, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)[:, 0, 0].contiguous()
+    filled = _filled_length(kwargs).reshape(1).to(torch.int64)
     window = kwargs.get("local_size")
     if window is None:
         return filled.repeat(kwargs["batch_size"])
@@ -153,31 +160,42 @@ UNSUPPORTED = ("sinks", "position_bias", "block_indices")
 
 def _kernel_computes(query, key, value, kwargs: dict) -> bool:
     """Whether the decode kernel computes this call: one query token per sequence, keys and values of one shape
-    (not MLA's narrower values), nothing asked of it that it does not do (UNSUPPORTED); GPT-OSS's ``s_aux`` sinks are
-    one logit per query head."""
+    (not MLA's narrower values) and of the query's dtype, nothing asked of it that it does not do (UNSUPPORTED);
+    GPT-OSS's ``s_aux`` sinks are one logit per query head."""
     sinks = kwargs.get("s_aux")
     return (query.ndim == key.ndim == value.ndim == 4 and query.shape[2] == 1 and key.shape == value.shape
-            and query.shape[1] % key.shape[1] == 0 and not any(kwargs.get(n) is not None for n in UNSUPPORTED)
+            and query.dtype == key.dtype == value.dtype and query.shape[1] % key.shape[1] == 0
+            and not any(kwargs.get(n) is not None for n in UNSUPPORTED)
             and (sinks is None or tuple(sinks.shape) == (query.shape[1],)))
 
 
-def _spans(attention_mask) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(lengths, starts or None) when the attention mask is what _decode_spans returns; None for a real mask."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.int64:
+def _spans(attention_mask, key_length: int) -> dict | None:
+    """The kernel's lengths, and starts or visible where the call has them, when the attention mask is what
+    _decode_spans returns; None for a real mask."""
+    if not isinstance(attention_mask, torch.Tensor):
+        return None
+    if attention_mask.dtype == torch.bool and attention_mask.ndim == 2:
+        lengths = torch.full(attention_mask.shape[:1], key_length, dtype=torch.int64, device=attention_mask.device)
+        return {"lengths": lengths, "visible": attention_mask}
+    if attention_mask.dtype != torch.int64:
         return None
     if attention_mask.ndim == 1:
-        return attention_mask, None
-    return (attention_mask[1], attention_mask[0]) if attention_mask.ndim == 2 and attention_mask.shape[0] == 2 else None
+        return {"lengths": attention_mask}
+    if attention_mask.ndim == 2 and attention_mask.shape[0] == 2:
+        return {"lengths": attention_mask[1], "starts": attention_mask[0]}
+    return None
 
 
-def _span_mask(lengths: torch.Tensor, starts: torch.Tensor | None, key_length: int,
-               additive: torch.dtype | None) -> torch.Tensor:
+def _span_mask(spans: dict, key_length: int, additive: torch.dtype | None) -> torch.Tensor:
     """The [batch, 1, 1, key_length] mask the spans stand for: boolean (True = attend) as sdpa takes it, or additive
     (0 or the dtype's minimum) as eager attention forwards take it."""
+    lengths = spans["lengths"]
     positions = torch.arange(key_length, device=lengths.device)
     attend = positions < lengths[:, None]
-    if starts is not None:
-        attend &= positions >= starts[:, None]
+    if "starts" in spans:
+        attend &= positions >= spans["starts"][:, None]
+    if "visible" in spans:
+        attend &= spans["visible"]
     attend = attend[:, None, None]
     if additive is None:
         return attend
@@ -191,10 +209,11 @@ def decode_attention_interface(fusion, replaced):
     implementation the model ran (sdpa, or the modeling module's eager forward with its additive mask).
 
     For a decode step the mask function returns the spans (_decode_spans) instead of a mask: the attention function
-    sees an integer tensor and knows it may use the kernel, or, for a call the kernel does not compute, turns it
-    into the mask ``replaced`` takes. The module's ``sliding_window`` argument is not read: like sdpa, the kernel
-    attends what the mask lets in. The kernel gets ``starts``, ``softcap`` and ``sinks`` only where the call has
-    them, so a kernel of the plain signature (q, k, v, lengths, scale) serves every model without those variants."""
+    sees an integer or a 2D boolean tensor and knows it may use the kernel, or, for a call the kernel does not
+    compute, turns it into the mask ``replaced`` takes. The module's ``sliding_window`` argument is not read: like
+    sdpa, the kernel attends what the mask lets in. The kernel gets ``starts``, ``softcap``, ``sinks`` and
+    ``visible`` only where the call has them, so a kernel of the plain signature (q, k, v, lengths, scale) serves
+    every model without those variants."""
     replaced_attention, replaced_mask = replaced
     eager = replaced_mask is AttentionMaskInterface._global_mapping["eager"]
 
@@ -203,15 +222,15 @@ def decode_attention_interface(fusion, replaced):
         return replaced_mask(**kwargs) if spans is None else spans
 
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        spans = _spans(attention_mask)
+        spans = _spans(attention_mask, key.shape[2])
         if spans is not None and _kernel_computes(query, key, value, kwargs):
-            lengths, starts = spans
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            variants = {"starts": starts, "softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
-            return fusion(query, key, value, lengths, scale,
+            variants = {"starts": spans.get("starts"), "softcap": kwargs.get("softcap"),
+                        "sinks": kwargs.get("s_aux"), "visible": spans.get("visible")}
+            return fusion(query, key, value, spans["lengths"], scale,
                           **{name: given for name, given in variants.items() if given is not None}), None
         if spans is not None:
-            attention_mask = _span_mask(*spans, key.shape[2], query.dtype if eager else None)
+            attention_mask = _span_mask(spans, key.shape[2], query.dtype if eager else None)
         return replaced_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     return attention, mask

@@ -7,6 +7,15 @@ import inspect
 import torch
 
 HF_SIGNATURE = ("q", "k", "cos", "sin")  # the llama family's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+ONE_TENSOR_SIGNATURE = ("x", "cos", "sin")  # DeepSeek-V4's apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1)
+
+
+def _takes(original, signature: tuple[str, ...]) -> None:
+    """Refuse a function whose leading parameters are not ``signature``: another rotation."""
+    params = tuple(inspect.signature(original).parameters)
+    if params[:len(signature)] != signature:
+        raise ValueError(f"{original.__module__}.{original.__name__} takes ({', '.join(params)}), not "
+                         f"({', '.join(signature)}, ...)")
 
 
 def rope_function(original, fusion):
@@ -16,10 +25,7 @@ def rope_function(original, fusion):
     (interleaved pairs).
 
     The fusion rotates q and k in place: HF's callers never read q or k again before their rotation's result."""
-    params = tuple(inspect.signature(original).parameters)
-    if params[:4] != HF_SIGNATURE:
-        raise ValueError(f"{original.__module__}.{original.__name__} takes ({', '.join(params)}), not "
-                         f"({', '.join(HF_SIGNATURE)}, ...)")
+    _takes(original, HF_SIGNATURE)
 
     def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args,
                              **kwargs):
@@ -31,5 +37,22 @@ def rope_function(original, fusion):
             return fusion(q, k, cos, sin)
         fusion(q[..., :rotated], k[..., :rotated], cos, sin)
         return q, k
+
+    return apply_rotary_pos_emb
+
+
+def trailing_rope_function(original, fusion):
+    """DeepSeek-V4's ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1)``: one tensor [B, H, S, D], its last
+    2 * cos.shape[-1] channels rotated as interleaved pairs with one cos / sin entry a pair, out of place. Calls of
+    another form go to ``original``; a function of this signature with another layout is the gate's to catch."""
+    _takes(original, ONE_TENSOR_SIGNATURE)
+
+    def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args, **kwargs):
+        unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
+        half = cos.shape[-1]
+        if (unsqueeze_dim != 1 or len(args) > 1 or set(kwargs) - {"unsqueeze_dim"} or x.ndim != 4 or cos.ndim != 3
+                or sin.shape != cos.shape or 2 * half > x.shape[-1] or half & (half - 1) or x.stride(-1) != 1):
+            return original(x, cos, sin, *args, **kwargs)
+        return fusion(x, cos.contiguous(), sin.contiguous())
 
     return apply_rotary_pos_emb
