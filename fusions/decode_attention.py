@@ -234,12 +234,14 @@ def split_layout(max_len: int, block_n: int, splits: int) -> tuple[int, int]:
 
 
 @torch.library.triton_op("optiq::decode_attention", mutates_args=())
-def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, lengths: torch.Tensor,
                          scale: float, num_splits: int | None = None, starts: torch.Tensor | None = None,
                          softcap: float = 0.0, sinks: torch.Tensor | None = None,
                          visible: torch.Tensor | None = None) -> torch.Tensor:
     batch, num_q_heads, q_len, head_dim = q.shape
     _, num_kv_heads, max_len, _ = k_cache.shape
+    shared_kv = v_cache is None  # keys that are their own values, loaded once
+    v_cache = k_cache if shared_kv else v_cache
     torch._check(q_len == 1, lambda: "decode_attention takes one query token per sequence")
     torch._check(num_q_heads % num_kv_heads == 0, lambda: "query heads must be a multiple of kv heads")
     torch._check(v_cache.shape == k_cache.shape, lambda: "k_cache and v_cache shapes differ")
@@ -253,7 +255,6 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     head_blocks = triton.cdiv(group_size, block_g)
     split_len, splits = split_layout(max_len, block_n, num_splits or config["SPLITS"])
     block_d = max(16, triton.next_power_of_2(head_dim))
-    shared_kv = k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride()
 
     partial_out = torch.empty((batch, num_q_heads, splits, head_dim), device=q.device, dtype=torch.float32)
     partial_lse = torch.empty((batch, num_q_heads, splits), device=q.device, dtype=torch.float32)
@@ -289,10 +290,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lets in (all of them without it); returns [B, 1, Hq, D].
 
     softcap > 0 caps the scores, sinks add a per-head logit to each softmax's denominator. num_splits overrides
-    the shape-based choice of KV splits (for tests and tuning).
+    the shape-based choice of KV splits (for tests and tuning). Values that are the keys' tensor (DeepSeek-V4) are
+    read once.
     """
-    return torch.ops.optiq.decode_attention(q, k_cache, v_cache, lengths, scale, num_splits, starts, softcap, sinks,
-                                            visible)
+    return torch.ops.optiq.decode_attention(q, k_cache, None if v_cache is k_cache else v_cache, lengths, scale,
+                                            num_splits, starts, softcap, sinks, visible)
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -219,14 +219,22 @@ class DecodeEngine:
             self.cache, self.recompute = None, False  # the model starts a cache of its own
             self._sequence = prompt.to(self.device)
         positions = torch.arange(length, device=self.device).expand(batch, length)
-        own = self.cache.prefill_cache(self.model) if self.family else None  # a family's prefill runs on HF's cache
-        logits = self._model_call(self.model, prompt.to(self.device), positions, own)
         if self.family:
-            self.cache.absorb(self.model, own, length)
+            logits = torch.cat([self._family_prefill(prompt, positions, slice(start, start + self.cache.prefill_rows))
+                                for start in range(0, batch, self.cache.prefill_rows)])
+        else:
+            logits = self._model_call(self.model, prompt.to(self.device), positions)
         self.tokens.copy_(sample_greedy(logits))
         if not self.static:
             self._prefilled, self.length = (length, copy.deepcopy(self.cache)), length
         self.seek(length)
+        return logits
+
+    def _family_prefill(self, prompt: torch.Tensor, positions: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Prefill ``rows`` of the batch on HF's own cache, then hand it to the family's static cache."""
+        own = self.cache.prefill_cache(self.model)
+        logits = self._model_call(self.model, prompt[rows].to(self.device), positions[rows], own)
+        self.cache.absorb(self.model, own, prompt.shape[1], rows)
         return logits
 
     @torch.inference_mode()

@@ -72,6 +72,17 @@ def test_decode_matches_hf_own_cache(model, batch, prompt_len):
     torch.testing.assert_close(logits, _hf_decode(model, prompt, inputs), **TOLERANCE)
 
 
+def test_a_prefill_in_groups_of_sequences_decodes_the_same(model, monkeypatch):
+    """Prefilled two sequences at a time (each group on an HF cache of its own, absorbed into its rows of the
+    buffers), a batch of five decodes as HF's own cache does."""
+    monkeypatch.setattr(deepseek_v4.StaticDeepseekV4Cache, "prefill_rows", 2)
+    prompt = _prompt(5, 6, seed=3)
+    engine = DecodeEngine(model, 5, max_len=6 + STEPS)
+    engine.prefill(prompt)
+    logits, inputs = _engine_decode(engine, STEPS)
+    torch.testing.assert_close(logits, _hf_decode(model, prompt, inputs), **TOLERANCE)
+
+
 def test_seek_back_to_the_prefill_replays_the_decode(model):
     engine = DecodeEngine(model, 3, max_len=5 + STEPS)
     engine.prefill(_prompt(3, 5))

@@ -8,22 +8,26 @@ import torch
 
 
 class StaticDecodeCache(ABC):
-    """A family's decode state in device buffers of fixed shape. The engine prefills on ``prefill_cache(model)``
-    (the model's own cache), hands it to ``absorb(model, prefill_cache, length)``, moves with ``seek(length)``
-    (raising OptiqError for a length it cannot rewind to) and adds ``step_kwargs`` to every decode step's call.
+    """A family's decode state in device buffers of fixed shape. The engine prefills ``prefill_rows`` sequences at a
+    time, each group on a ``prefill_cache(model)`` of its own (the model's own cache), hands it to ``absorb(model,
+    prefill_cache, length, rows)`` for those rows of the buffers, moves with ``seek(length)`` (raising OptiqError
+    for a length it cannot rewind to) and adds ``step_kwargs`` to every decode step's call.
 
     The gate replays captured calls on ``converted(dtype, scale, layers)``: as transformers' caches are copied
     there, a copy whose floating buffers are converted to ``dtype`` or scaled by ``scale`` (those of ``layers`` only,
     when given), shared otherwise; sharing is safe because a step writes its own position before it reads it."""
 
     step_kwargs: dict = {}
+    # HF's prefill of a family may attend eagerly, materialising [rows, heads, P, P] scores: DeepSeek-V4-Flash's 64
+    # heads at P = 512 make 4 GiB in fp32 for 64 sequences (the gate's reference prefills in fp32), 1 GiB for 16.
+    prefill_rows: int = 16
 
     @abstractmethod
     def prefill_cache(self, model: torch.nn.Module):
         ...
 
     @abstractmethod
-    def absorb(self, model: torch.nn.Module, prefill_cache, length: int) -> None:
+    def absorb(self, model: torch.nn.Module, prefill_cache, length: int, rows: slice) -> None:
         ...
 
     @abstractmethod

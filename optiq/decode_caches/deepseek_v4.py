@@ -96,22 +96,23 @@ class _Compression:
         self.gate = torch.zeros(batch, windows * self.rate, width, dtype=gate_dtype, device=device)
         self.entries = torch.zeros(batch, windows, self.head_dim, dtype=entry_dtype, device=device)
 
-    def absorb(self, cache_layer, name: str, compressor: torch.nn.Module, length: int) -> None:
-        """Fill from HF's cache layer after a prefill of ``length`` positions: the buffer's remainder (the open
-        window's positions), the compressed entries of the closed windows and, for CSA, the Ca half of the last
-        closed window (HF's overlap state, the gate already biased)."""
+    def absorb(self, cache_layer, name: str, compressor: torch.nn.Module, length: int, rows: slice) -> None:
+        """Fill ``rows`` from HF's cache layer after their prefill of ``length`` positions: the buffer's remainder
+        (the open window's positions), the compressed entries of the closed windows and, for CSA, the Ca half of the
+        last closed window (HF's overlap state, the gate already biased)."""
         closed = length // self.rate
         remainder = cache_layer.buffer_kv[name]
         if remainder is not None and remainder.shape[1]:
             start = closed * self.rate
-            self.kv[:, start:length] = remainder
-            self.gate[:, start:length] = cache_layer.buffer_gate[name] + compressor.position_bias[:remainder.shape[1]]
+            self.kv[rows, start:length] = remainder
+            self.gate[rows, start:length] = (cache_layer.buffer_gate[name]
+                                             + compressor.position_bias[:remainder.shape[1]])
         if closed:
-            self.entries[:, :closed] = cache_layer.compressed_kv[name]
+            self.entries[rows, :closed] = cache_layer.compressed_kv[name]
         if self.overlap and closed:
             last = slice((closed - 1) * self.rate, closed * self.rate)
-            self.kv[:, last, :self.head_dim] = cache_layer.overlap_kv[name]
-            self.gate[:, last, :self.head_dim] = cache_layer.overlap_gate[name]
+            self.kv[rows, last, :self.head_dim] = cache_layer.overlap_kv[name]
+            self.gate[rows, last, :self.head_dim] = cache_layer.overlap_gate[name]
 
     def step(self, compressor: torch.nn.Module, hidden_states: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Write position ``position`` [batch]'s projections, pool the window containing it into its slot, and
@@ -168,13 +169,13 @@ class _Layer:
                 self.indexing = _Compression(compressor.indexer, True, batch, max_len, dtype, device)
                 self.top_k = min(compressor.indexer.index_topk, self.indexing.entries.shape[1])
 
-    def absorb(self, attention: torch.nn.Module, cache_layer, length: int) -> None:
-        kept = cache_layer.keys[:, 0]  # [batch, kept, head_dim]: the last positions before ``length``
-        self.window[:, length - kept.shape[1]:length] = kept
+    def absorb(self, attention: torch.nn.Module, cache_layer, length: int, rows: slice) -> None:
+        kept = cache_layer.keys[:, 0]  # [rows, kept, head_dim]: the last positions before ``length``
+        self.window[rows, length - kept.shape[1]:length] = kept
         if self.compression is not None:
-            self.compression.absorb(cache_layer, "compressor", attention.compressor, length)
+            self.compression.absorb(cache_layer, "compressor", attention.compressor, length, rows)
         if self.indexing is not None:
-            self.indexing.absorb(cache_layer, "indexer", attention.compressor.indexer, length)
+            self.indexing.absorb(cache_layer, "indexer", attention.compressor.indexer, length, rows)
 
     def converted(self, dtype: torch.dtype | None, scale: float | None) -> _Layer:
         copied = copy.copy(self)
@@ -299,10 +300,10 @@ class StaticDeepseekV4Cache(StaticDecodeCache):
         return DynamicCache(config=model.config)
 
     @torch.no_grad()
-    def absorb(self, model: torch.nn.Module, hf_cache, length: int) -> None:
-        """Take over HF's cache after a prefill of ``length`` positions."""
+    def absorb(self, model: torch.nn.Module, hf_cache, length: int, rows: slice) -> None:
+        """Take over HF's cache of sequences ``rows`` after their prefill of ``length`` positions."""
         for attention in _attention_modules(model):
-            self.layers[attention.layer_idx].absorb(attention, hf_cache.layers[attention.layer_idx], length)
+            self.layers[attention.layer_idx].absorb(attention, hf_cache.layers[attention.layer_idx], length, rows)
         self.prefilled = length
 
     def converted(self, dtype: torch.dtype | None = None, scale: float | None = None,
