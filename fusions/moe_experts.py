@@ -47,13 +47,14 @@ def _expert_tile(pid, tile_end_ptr, expert_start_ptr, counts_ptr, num_experts,
 @triton.jit
 def _experts_gate_up_kernel(
     x_ptr, order_ptr, tile_end_ptr, expert_start_ptr, counts_ptr, w_ptr, act_ptr,
-    top_k, num_experts, N, K,
+    top_k, num_experts, N, K, limit,
     stride_xm, stride_we, stride_wn, stride_wk, stride_am,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, CLAMP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """act[packed rows, BLOCK_N columns] = silu(x @ gate.T) * (x @ up.T) for one expert's tile of slots."""
+    """act[packed rows, BLOCK_N columns] = silu(x @ gate.T) * (x @ up.T) for one expert's tile of slots, with CLAMP
+    the gate clamped from above and up on both sides at ``limit`` first."""
     wait_for_predecessor(USE_PDL)
     expert, rows, row_mask = _expert_tile(tl.program_id(0), tile_end_ptr, expert_start_ptr, counts_ptr, num_experts,
                                           BLOCK_M, BLOCK_E)
@@ -76,6 +77,9 @@ def _experts_gate_up_kernel(
         w_ptrs += BLOCK_K * stride_wk
 
     gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
     out = gate * tl.sigmoid(gate) * up
     out_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     act_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_am + out_cols[None, :]
@@ -190,7 +194,7 @@ def pack_by_expert(top_k_index: torch.Tensor, num_experts: int, block_m: int):
 
 @torch.library.triton_op("optiq::moe_experts", mutates_args=())
 def _moe_experts_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                    w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+                    w_gate_up: torch.Tensor, w_down: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     tokens, hidden = x.shape
     top_k = top_k_index.shape[1]
     num_experts, two_inter, _ = w_gate_up.shape
@@ -210,8 +214,9 @@ def _moe_experts_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
                   FP32_DOT=fp32_dot(x.dtype))
     torch.library.wrap_triton(_experts_gate_up_kernel)[(max_tiles, triton.cdiv(inter, gate_up["BLOCK_N"]))](
         x, order, tile_end, expert_start, counts, w_gate_up, act,
-        top_k, num_experts, inter, hidden,
-        x.stride(0), *w_gate_up.stride(), act.stride(0), **common, **gate_up, **launch_options(x),
+        top_k, num_experts, inter, hidden, 0.0 if limit is None else limit,
+        x.stride(0), *w_gate_up.stride(), act.stride(0), **common, **gate_up, CLAMP=limit is not None,
+        **launch_options(x),
     )
     torch.library.wrap_triton(_experts_down_kernel)[(max_tiles, triton.cdiv(hidden, down["BLOCK_N"]))](
         act, order, routing, tile_end, expert_start, counts, w_down, per_slot,
@@ -225,10 +230,11 @@ def _moe_experts_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
 
 
 def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor) -> torch.Tensor:
+                w_down: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """x [T, H]; top_k_index, top_k_weights [T, k]; w_gate_up [E, 2I, H] (gate rows, then up rows) and w_down
     [E, H, I] as transformers stores them -> [T, H] in x's dtype: sum over each token's k experts of
-    weight * down(silu(gate(x)) * up(x)), accumulated in fp32 and rounded once."""
+    weight * down(silu(gate(x)) * up(x)), accumulated in fp32 and rounded once. With ``limit`` (DeepSeek-V4's
+    swiglu_limit), gate(x) is clamped to at most limit and up(x) to [-limit, limit] before the SwiGLU."""
     num_experts, two_inter, hidden = w_gate_up.shape
     if two_inter % 2 or x.shape[-1] != hidden or tuple(w_down.shape) != (num_experts, hidden, two_inter // 2):
         raise ValueError(f"w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} do not fit x "
@@ -236,16 +242,18 @@ def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
     if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != x.shape[0]:
         raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
                          f"must both be [{x.shape[0]}, k]")
-    return torch.ops.optiq.moe_experts(x, top_k_index, top_k_weights, w_gate_up, w_down)
+    return torch.ops.optiq.moe_experts(x, top_k_index, top_k_weights, w_gate_up, w_down, limit)
 
 
 def moe_experts_reference(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                          w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+                          w_gate_up: torch.Tensor, w_down: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """transformers' eager experts loop, in x's dtype (float64 inputs give a float64 reference)."""
     out = torch.zeros_like(x)
     for expert in top_k_index.unique().tolist():
         token, choice = torch.where(top_k_index == expert)
         gate, up = F.linear(x[token], w_gate_up[expert]).chunk(2, dim=-1)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
         y = F.linear(F.silu(gate) * up, w_down[expert]) * top_k_weights[token, choice, None]
         out.index_add_(0, token, y.to(x.dtype))
     return out

@@ -14,8 +14,8 @@ from optiq.gate import GatePlan, validate
 from optiq.gate.mutants import verify
 from optiq.models import load_model
 from optiq.patching import apply, unpatch
-from optiq.patching.structure import (gated_mlp, grouped_linear, hyper_connection, pre_norm_decoder_layer,
-                                      rms_norm, sandwich_norm_decoder_layer)
+from optiq.patching.structure import (SwigluExpertsSite, gated_mlp, grouped_linear, hyper_connection,
+                                      pre_norm_decoder_layer, rms_norm, sandwich_norm_decoder_layer, swiglu_experts)
 
 from wrong_kernels import user_recipe
 
@@ -323,3 +323,27 @@ def test_v4_one_tensor_rotation_is_kept_and_its_wrong_kernels_rolled_back(tmp_pa
     patches = apply(model, [load_catalog()["rope"]])
     assert not patches.applied and "no site" in patches.not_applicable["rope"], patches.not_applicable
     assert_rolled_back(model, plan, tmp_path, "trailing_rope", ("trailing_rope_wrong_way", "trailing_rope_half_split"))
+
+
+def test_experts_are_found_with_the_clamp_they_apply():
+    """DeepSeek-V4's experts clamp at their swiglu_limit, Qwen3-MoE's at none (both found by what their gate
+    computes); a GeLU gate is not SwiGLU experts."""
+    v4 = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
+    found = {swiglu_experts(m) for m in v4.modules() if type(m).__name__ == "DeepseekV4Experts"}
+    assert found == {SwigluExpertsSite(v4.config.swiglu_limit)}
+    qwen = load_model("tiny-qwen3-moe", torch.float32, torch.device("cpu"))
+    experts = next(m for m in qwen.modules() if type(m).__name__ == "Qwen3MoeExperts")
+    assert swiglu_experts(experts) == SwigluExpertsSite(None)
+    experts.act_fn = torch.nn.GELU()
+    assert swiglu_experts(experts) is None
+
+
+def test_v4_experts_recipe_is_kept_and_a_kernel_without_the_clamp_rolled_back(tmp_path):
+    """moe_experts on DeepSeek-V4's clamped experts, on both passes with its mutants killed; a kernel that forgets
+    the clamp is rolled back."""
+    model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
+    plan = GatePlan((2,), steps=3, prompt_len=9)
+    result = verify(model, [load_catalog()["moe_experts"]], plan)["moe_experts"]
+    assert result.real == "passed", result.real
+    assert result.mutants and all(mutant.status != "survived" for mutant in result.mutants), result.mutants
+    assert_rolled_back(model, plan, tmp_path, "moe_experts", ("experts_without_clamp",))

@@ -178,3 +178,8 @@ def trailing_rope_half_split(x, cos, sin):
     interleaved = torch.stack(head.chunk(2, dim=-1), dim=-1).flatten(-2)
     turned = trailing_rope_reference(torch.cat([x[..., :-rotated], interleaved], dim=-1), cos, sin)[..., -rotated:]
     return torch.cat([x[..., :-rotated], torch.cat([turned[..., 0::2], turned[..., 1::2]], dim=-1)], dim=-1)
+
+
+def experts_without_clamp(x, top_k_index, top_k_weights, w_gate_up, w_down, limit=None):
+    """MoE experts that ignore DeepSeek-V4's SwiGLU clamp: right wherever no product passes the limit."""
+    return moe_experts_reference(x, top_k_index, top_k_weights, w_gate_up, w_down)

@@ -6,7 +6,9 @@ accumulator) shows on its second call even at a single site. With ``scaled``, ev
 floating runs a second time with its activations (its first input and its KV cache) scaled by ``SMALL_SCALE``:
 activations that small reach the regime where a norm's eps is a good part of its result (a forgotten eps changes a
 result by ~eps / mean(x^2), a millionth at the model's own activations, below one bf16 rounding). A power of two
-scales exactly, so the scaled input is as representable as the captured one. Sites with integer outputs (routers,
+scales exactly, so the scaled input is as representable as the captured one. A replacement whose variant lives at
+large activations (DeepSeek-V4's SwiGLU clamp, which random-weight activations never reach) names the powers of two
+that reach it in its ``input_scales``, and the call runs at each of them too. Sites with integer outputs (routers,
 samplers) are left out: scaling their inputs would not change which ids are picked, only create near-ties.
 
 The fused path is the user's code: whatever it raises (SystemExit too), returns (another dtype, shape or device than
@@ -57,17 +59,16 @@ class CallErrors:
         return math.nan if any(math.isnan(e) for e in self.err_runs) else max(self.err_runs)
 
 
-def _scaled(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """The call with its activations times SMALL_SCALE: its first floating tensor argument (positional, else
+def _scaled(args: tuple, kwargs: dict, factor: float) -> tuple[tuple, dict] | None:
+    """The call with its activations times ``factor``: its first floating tensor argument (positional, else
     ``hidden_states``) and its KV cache, whose values feed the attention output a decoder layer adds to its residual
     (position embeddings and masks stay as they are); None if it has no floating tensor argument."""
     first = next((i for i, v in enumerate(args) if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
     if first is None and not (isinstance(kwargs.get("hidden_states"), torch.Tensor)
                               and kwargs["hidden_states"].is_floating_point()):
         return None
-    args = tuple(scaled_copy(v, SMALL_SCALE) if i == first or isinstance(v, CACHES) else v
-                 for i, v in enumerate(args))
-    kwargs = {k: scaled_copy(v, SMALL_SCALE) if (k == "hidden_states" and first is None) or isinstance(v, CACHES)
+    args = tuple(scaled_copy(v, factor) if i == first or isinstance(v, CACHES) else v for i, v in enumerate(args))
+    kwargs = {k: scaled_copy(v, factor) if (k == "hidden_states" and first is None) or isinstance(v, CACHES)
               else v for k, v in kwargs.items()}
     return args, kwargs
 
@@ -113,13 +114,17 @@ def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], whe
                     bound = site_bound(tolerance, err_unfused)
                     return CallErrors(label, err_unfused, err_runs, bound, exact_match), want
 
+                factors = (SMALL_SCALE, *getattr(site.replacement, "input_scales", ()))
                 for number, (args, kwargs) in enumerate(calls, 1):
                     errors, want = run(f"{site.label} (call {number}{where})", args, kwargs)
                     yield errors
-                    small = _scaled(args, kwargs) if scaled and all(t.is_floating_point() for t in want) else None
-                    if small is not None:
-                        yield run(f"{site.label} (call {number}{where}, input x 2^{int(math.log2(SMALL_SCALE))})",
-                                  *small)[0]
+                    if not (scaled and want and all(t.is_floating_point() for t in want)):
+                        continue
+                    for factor in factors:
+                        variant = _scaled(args, kwargs, factor)
+                        if variant is not None:
+                            yield run(f"{site.label} (call {number}{where}, input x 2^{int(math.log2(factor))})",
+                                      *variant)[0]
 
 
 def check_recipe(patches: Patches, name: str, sites: list[tuple[Site, list]], where: str = "",

@@ -351,7 +351,60 @@ def grouped_linear(module: torch.nn.Module) -> GroupedLinearSite | None:
     return None
 
 
+@dataclass(frozen=True)
+class SwigluExpertsSite:
+    limit: float | None  # gate clamped to at most limit and up to [-limit, limit] before silu(gate) * up; or none
+
+
+def experts_gate(module: torch.nn.Module):
+    """What an experts module computes between its two products, [..., 2I] -> [..., I]: HF's ``_apply_gate`` where
+    its class has one (transformers' grouped-GEMM backends call it: DeepSeek-V4's clamps there), else ``act_fn``
+    of the gate half times the up half."""
+    own = getattr(type(module), "_apply_gate", None)
+    if own is not None:
+        return lambda gate_up: own(module, gate_up)
+
+    def gate(gate_up: torch.Tensor) -> torch.Tensor:
+        gate_half, up = gate_up.chunk(2, dim=-1)
+        return module.act_fn(gate_half) * up
+
+    return gate
+
+
+def swiglu_experts(module: torch.nn.Module) -> SwigluExpertsSite | None:
+    """Routed experts as transformers 5 stores them: 3-D gate_up_proj [E, 2I, H] (gate rows, then up rows) and
+    down_proj [E, H, I], no other parameter, neither transposed nor interleaved, whose gate (``experts_gate``) is
+    silu(gate) * up, with gate clamped from above and up on both sides at a limit found among the module's float
+    attributes (DeepSeek-V4's swiglu_limit) or at none. The gate is probed on float64 values spread over six
+    decades, so that a limit anywhere among them shows."""
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) != {"gate_up_proj", "down_proj"}:
+        return None
+    gate_up, down = params["gate_up_proj"], params["down_proj"]
+    if (gate_up.dim() != 3 or gate_up.shape[1] % 2
+            or tuple(down.shape) != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2)
+            or getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True)):
+        return None
+    generator = torch.Generator().manual_seed(0)
+    spread = 10.0 ** torch.empty(PROBE_ROWS, 16, dtype=torch.float64).uniform_(-2.0, 4.0, generator=generator)
+    probe = (torch.randn(PROBE_ROWS, 16, dtype=torch.float64, generator=generator) * spread).to(gate_up.device)
+    try:
+        with torch.no_grad():
+            got = experts_gate(module)(probe)
+    except Exception:  # noqa: BLE001 - another gate: another structure
+        return None
+    gate, up = probe.chunk(2, dim=-1)
+    limits = sorted({value for value in vars(module).values() if type(value) is float and value > 0})
+    for limit in (None, *limits):
+        clamped = (gate, up) if limit is None else (gate.clamp(max=limit), up.clamp(-limit, limit))
+        want = torch.nn.functional.silu(clamped[0]) * clamped[1]
+        if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-12,
+                                                                                          atol=1e-300):
+            return SwigluExpertsSite(limit)
+    return None
+
+
 STRUCTURES = {"rms_norm": rms_norm, "gated_mlp": gated_mlp, "qkv_attention": qkv_attention,
               "pre_norm_decoder_layer": pre_norm_decoder_layer,
               "sandwich_norm_decoder_layer": sandwich_norm_decoder_layer, "hyper_connection": hyper_connection,
-              "grouped_linear": grouped_linear}
+              "grouped_linear": grouped_linear, "swiglu_experts": swiglu_experts}

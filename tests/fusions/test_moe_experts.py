@@ -28,11 +28,23 @@ def make_inputs(seed, tokens, experts, top_k, hidden, inter, dtype, device, rout
     return x, index, weights, w_gate_up, w_down
 
 
-def check(inputs, dtype):
-    got = moe_experts(*inputs)
-    want = moe_experts_reference(*(t.double() if t.is_floating_point() else t for t in inputs))
+def check(inputs, dtype, limit=None):
+    got = moe_experts(*inputs, limit=limit)
+    want = moe_experts_reference(*(t.double() if t.is_floating_point() else t for t in inputs), limit=limit)
     assert got.dtype == dtype and got.shape == inputs[0].shape
     torch.testing.assert_close(got.double(), want, rtol=TOLERANCES[dtype], atol=TOLERANCES[dtype])
+    return want
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamped_swiglu(request, dtype):
+    """DeepSeek-V4's clamp: gate at most the limit, up within [-limit, limit]; with a limit of 0.7 most products
+    of these inputs pass it, so a kernel that forgot the clamp fails."""
+    inputs = make_inputs(seed_of(request), 7, 8, 2, 40, 24, dtype, SMALL_DEVICE)
+    want = check(inputs, dtype, limit=0.7)
+    double = [t.double() if t.is_floating_point() else t for t in inputs]
+    assert not torch.allclose(want, moe_experts_reference(*double), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.usefixtures("poisoned_empty")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from optiq.gate.references import split_matmul
+from optiq.patching.structure import experts_gate
 
 DENSE_TOKENS = 256  # a decode step has one token per sequence; prompts have thousands
 
@@ -33,9 +34,10 @@ def experts_forward(experts: torch.nn.Module):
     expert ids and routing weights [T, k] -> [T, H], computed in the tokens' dtype with the weights as they lie.
     Ids equal to E pick no expert (transformers' convention for an expert that is not on this rank)."""
 
+    gate = experts_gate(experts)  # DeepSeek-V4's clamps included
+
     def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        gate, up = _product(x, gate_up).chunk(2, dim=-1)
-        return _product(experts.act_fn(gate) * up, down)
+        return _product(gate(_product(x, gate_up)), down)
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, count = hidden_states.shape[0], experts.gate_up_proj.shape[0]

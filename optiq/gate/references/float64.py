@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from optiq.gate.references import experts as reference_experts
-from optiq.patching.replacements.moe import swiglu_experts_problem
+from optiq.patching.structure import swiglu_experts
 
 
 @contextmanager
@@ -25,7 +25,7 @@ def float64_path(original: Callable):
         return
     double = copy.deepcopy(owner).to(torch.float64)
     for module in double.modules():
-        if swiglu_experts_problem(module) is None:
+        if swiglu_experts(module) is not None:
             module.forward = reference_experts.experts_forward(module)
         elif hasattr(getattr(module, "config", None), "_experts_implementation"):
             module.config._experts_implementation = "eager"

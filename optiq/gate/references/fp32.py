@@ -11,7 +11,7 @@ import torch
 from optiq.gate.references import experts as reference_experts
 from optiq.gate.references import split_matmul
 from optiq.gate.references.attention import grouped_decode_attention
-from optiq.patching.replacements.moe import swiglu_experts_problem
+from optiq.patching.structure import swiglu_experts
 
 
 @contextmanager
@@ -40,7 +40,7 @@ def computing_in(model: torch.nn.Module, dtype: torch.dtype):
     split = {m: partial(split_matmul.fp32_linear, weight=m.weight, bias=m.bias) for m in model.modules()
              if type(m) is torch.nn.Linear and from_parts(m)}
     split.update({m: reference_experts.experts_forward(m) for m in model.modules()
-                  if from_parts(m) and swiglu_experts_problem(m) is None})
+                  if from_parts(m) and swiglu_experts(m) is not None})
     owners = [m for m in model.modules() if m not in split and next(m.parameters(recurse=False), None) is not None]
     handles = [h for m in owners for h in (m.register_forward_pre_hook(cast), m.register_forward_hook(restore))]
     for module, forward in split.items():

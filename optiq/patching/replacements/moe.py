@@ -3,29 +3,28 @@ fusion."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-
-def swiglu_experts_problem(experts: torch.nn.Module) -> str | None:
-    """Why ``experts`` is not a bias-free SwiGLU pair of 3-D parameters (gate_up_proj, down_proj); None if it is."""
-    activation = type(getattr(experts, "act_fn", None)).__name__
-    if activation not in ("SiLU", "SiLUActivation"):
-        return f"{type(experts).__name__} uses {activation}, not SwiGLU"
-    if getattr(experts, "has_bias", False) or {n for n, _ in experts.named_parameters()} != {"gate_up_proj",
-                                                                                           "down_proj"}:
-        return f"{type(experts).__name__} is not a bias-free gate_up_proj/down_proj pair"
-    if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True):
-        return f"{type(experts).__name__} stores its weights transposed or with gate and up interleaved"
-    return None
+from optiq.patching.structure import swiglu_experts
 
 
 def experts_forward(experts: torch.nn.Module, fusion):
     """The experts module's call (tokens, top-k expert ids, top-k routing weights) -> the weighted sum of each token's
-    experts; the parameters are read at call time, as they lie (no copy)."""
-    if (problem := swiglu_experts_problem(experts)) is not None:
-        raise ValueError(problem)
+    experts; the parameters are read at call time, as they lie (no copy). The kernel gets the clamp ``limit`` only
+    where the experts clamp (DeepSeek-V4), so a kernel of the plain signature serves every other model; there the
+    gate also replays the calls with inputs scaled past the limit (``input_scales``): activations of about one
+    never reach it, and a kernel without the clamp would pass on them."""
+    site = swiglu_experts(experts)
+    if site is None:
+        raise ValueError(f"{type(experts).__name__} is not SwiGLU experts stored as gate_up_proj / down_proj")
+    clamp = {} if site.limit is None else {"limit": site.limit}
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        return fusion(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj)
+        return fusion(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj, **clamp)
+
+    if site.limit is not None:
+        forward.input_scales = (2.0 ** math.ceil(math.log2(4 * site.limit)),)
 
     return forward
