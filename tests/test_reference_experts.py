@@ -88,18 +88,21 @@ def test_computing_in_fp32_on_a_gpu_keeps_the_experts_bf16():
 
 @pytest.mark.parametrize("owner", ["experts", "decoder layer"])
 def test_the_float64_copy_of_a_site_is_freed_on_exit_without_a_garbage_collection(owner):
-    """The gate copies each site's module to float64; for a qwen3-30b-a3b layer that is 4.8 GB, so 48 of them kept
-    alive by the experts' closures until a collection ran out of memory on the H200 (session 8)."""
+    """The gate copies each site's module to float64 (its experts' weights shared as they are: the reference casts
+    one expert at a time); for a qwen3-30b-a3b layer such copies were 4.8 GB, so 48 of them kept alive by the
+    experts' closures until a collection ran out of memory on the H200 (session 8)."""
     model = load_model("tiny-qwen3-moe", torch.float32, torch.device("cpu"))
     module = next(m for m in model.modules() if type(m).__name__.endswith("Experts" if owner == "experts" else
                                                                             "DecoderLayer"))
+    weights = {id(p) for m in module.modules() if hasattr(m, "gate_up_proj") for p in m.parameters(recurse=False)}
     gc.collect()
     gc.disable()
     try:
         with float64_path(module.forward) as exact:
             copies = [weakref.ref(m) for m in _modules_behind(exact) if m is not module]
-            assert copies and all(c().gate_up_proj.dtype == torch.float64 for c in copies
-                                  if hasattr(c(), "gate_up_proj"))
+            params = [p for c in copies for p in c().parameters(recurse=False)]
+            assert copies and weights <= {id(p) for p in params}
+            assert all(p.dtype == torch.float64 for p in params if id(p) not in weights)
         del exact
         assert all(c() is None for c in copies)
     finally:

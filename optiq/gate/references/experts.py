@@ -22,9 +22,13 @@ from optiq.patching.structure import experts_gate
 DENSE_TOKENS = 256  # a decode step has one token per sequence; prompts have thousands
 
 
+def _from_parts(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.bfloat16 and weight.is_cuda and x.dtype == torch.float32
+
+
 def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight^T`` in x's dtype: from bf16 parts on the tensor cores for a bf16 CUDA weight, else cast."""
-    if weight.dtype == torch.bfloat16 and weight.is_cuda and x.dtype == torch.float32:
+    if _from_parts(x, weight):
         return split_matmul.matmul(x, weight)
     return x @ weight.to(x.dtype).transpose(-1, -2)
 
@@ -43,10 +47,13 @@ def experts_forward(experts: torch.nn.Module):
         tokens, count = hidden_states.shape[0], experts.gate_up_proj.shape[0]
         routing = hidden_states.new_zeros(tokens, count + 1).scatter_add_(
             1, top_k_index, top_k_weights.to(hidden_states.dtype))[:, :count]  # [T, E]
-        if tokens <= DENSE_TOKENS:
+        # every expert at once, unless that casts every expert's weights (a float64 run of bf16 experts)
+        uncast = experts.gate_up_proj.dtype == hidden_states.dtype or _from_parts(hidden_states, experts.gate_up_proj)
+        if tokens <= DENSE_TOKENS and uncast:
             every = swiglu(hidden_states, experts.gate_up_proj, experts.down_proj)  # [E, T, H]
             return (every * routing.t().unsqueeze(-1)).sum(0)
-        # A prompt: its (token, pick) pairs sorted by expert, then one GEMM pair per expert hit (one host sync).
+        # A prompt, or weights to cast: the (token, pick) pairs sorted by expert, then one GEMM pair per expert hit
+        # (one host sync), casting that expert's weights only.
         out = torch.zeros_like(hidden_states)
         ids = top_k_index.flatten()
         order = ids.argsort(stable=True)

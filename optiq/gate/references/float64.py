@@ -17,17 +17,22 @@ from optiq.patching.structure import swiglu_experts
 def float64_path(original: Callable):
     """``original`` in float64: a module's forward runs on a float64 copy of the module (SwiGLU MoE experts through
     ``references.experts``, other experts through transformers' eager loop: grouped GEMMs have no float64 kernel).
-    On exit the experts' forwards are dropped: each holds its module, a cycle that would keep every site's float64
-    copy alive until a garbage collection."""
+    SwiGLU experts keep their weights, shared and in their own dtype, which ``references.experts`` casts one expert
+    at a time: a float64 copy of DeepSeek-V4-Flash's 256 experts would be 52 GB a layer. On exit the experts'
+    forwards are dropped: each holds its module, a cycle that would keep every site's float64 copy alive until a
+    garbage collection."""
     owner = getattr(original, "__self__", None)
     if not isinstance(owner, torch.nn.Module):
         yield original
         return
-    double = copy.deepcopy(owner).to(torch.float64)
+    shared = {id(p): p for m in owner.modules() if swiglu_experts(m) is not None for p in m.parameters(recurse=False)}
+    double = copy.deepcopy(owner, dict(shared))
     for module in double.modules():
         if swiglu_experts(module) is not None:
             module.forward = reference_experts.experts_forward(module)
-        elif hasattr(getattr(module, "config", None), "_experts_implementation"):
+            continue
+        module._apply(lambda t: t.to(torch.float64) if t.is_floating_point() else t, recurse=False)
+        if hasattr(getattr(module, "config", None), "_experts_implementation"):
             module.config._experts_implementation = "eager"
     try:
         yield double.forward if "forward" in vars(double) and original.__name__ == "forward" else \
