@@ -225,6 +225,14 @@ def assert_rolled_back(model, plan, tmp_path, base: str, fusions: tuple[str, ...
         assert all("forward" not in vars(m) for m in model.modules())
 
 
+def assert_kept(model, plan, name: str):
+    """Recipe ``name`` alone passes the gate on both passes, and no mutant of its kernel survives; its result."""
+    result = verify(model, [load_catalog()[name]], plan)[name]
+    assert result.real == "passed", result.real
+    assert result.mutants and all(mutant.status != "survived" for mutant in result.mutants), result.mutants
+    return result
+
+
 def test_hyper_connections_are_found_by_what_they_compute():
     """DeepSeek-V4's mHC is found with the Sinkhorn iteration count and eps its config gives (read from what the
     module computes, not from its attribute names); its final collapse (one output, no Sinkhorn) and a norm are not
@@ -268,12 +276,10 @@ def test_grouped_linear_recipe_is_kept_and_its_wrong_kernels_rolled_back(tmp_pat
     structure lost are rolled back."""
     model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
     plan = GatePlan((2,), steps=3, prompt_len=5)
-    result = verify(model, [load_catalog()["grouped_linear"]], plan)["grouped_linear"]
-    assert result.real == "passed", result.real
+    result = assert_kept(model, plan, "grouped_linear")
     killed = {mutant.name for mutant in result.mutants if mutant.status == "killed"}
     assert {"first block dropped", "last block dropped", "rows 0 and 1 swapped", "last row stale",
             "state kept across calls"} <= killed, result.mutants
-    assert all(mutant.status != "survived" for mutant in result.mutants), result.mutants
     assert_rolled_back(model, plan, tmp_path, "grouped_linear",
                        ("grouped_linear_shifted_blocks", "grouped_linear_as_one_block"))
 
@@ -300,9 +306,7 @@ def test_on_the_v4_static_cache_decode_attention_is_kept_and_its_wrong_kernels_r
     kernel that attends every gathered key, or forgets the sinks, is rolled back."""
     model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
     plan = GatePlan((2,), steps=3, prompt_len=9)
-    result = verify(model, [load_catalog()["decode_attention"]], plan)["decode_attention"]
-    assert result.real == "passed", result.real
-    assert result.mutants and all(mutant.status != "survived" for mutant in result.mutants), result.mutants
+    assert_kept(model, plan, "decode_attention")
     patches = apply(model, [load_catalog()["decode_attention"]])
     report = validate(patches, plan)
     assert report.passed and report.recipes["decode_attention"].calls > 0, report
@@ -317,9 +321,7 @@ def test_v4_one_tensor_rotation_is_kept_and_its_wrong_kernels_rolled_back(tmp_pa
     no site; a rotation the wrong way and the half-split pairing are rolled back."""
     model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
     plan = GatePlan((2,), steps=3, prompt_len=9)
-    result = verify(model, [load_catalog()["trailing_rope"]], plan)["trailing_rope"]
-    assert result.real == "passed", result.real
-    assert result.mutants and all(mutant.status != "survived" for mutant in result.mutants), result.mutants
+    assert_kept(model, plan, "trailing_rope")
     patches = apply(model, [load_catalog()["rope"]])
     assert not patches.applied and "no site" in patches.not_applicable["rope"], patches.not_applicable
     assert_rolled_back(model, plan, tmp_path, "trailing_rope", ("trailing_rope_wrong_way", "trailing_rope_half_split"))
@@ -343,7 +345,5 @@ def test_v4_experts_recipe_is_kept_and_a_kernel_without_the_clamp_rolled_back(tm
     the clamp is rolled back."""
     model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
     plan = GatePlan((2,), steps=3, prompt_len=9)
-    result = verify(model, [load_catalog()["moe_experts"]], plan)["moe_experts"]
-    assert result.real == "passed", result.real
-    assert result.mutants and all(mutant.status != "survived" for mutant in result.mutants), result.mutants
+    assert_kept(model, plan, "moe_experts")
     assert_rolled_back(model, plan, tmp_path, "moe_experts", ("experts_without_clamp",))
