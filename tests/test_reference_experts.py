@@ -10,6 +10,7 @@ import torch
 
 from optiq.models import load_model
 from optiq.gate.references.experts import DENSE_TOKENS, experts_forward
+from optiq.gate.references import float64
 from optiq.gate.references.float64 import float64_path
 from optiq.gate.references.fp32 import computing_in
 
@@ -87,10 +88,13 @@ def test_computing_in_fp32_on_a_gpu_keeps_the_experts_bf16():
 
 
 @pytest.mark.parametrize("owner", ["experts", "decoder layer"])
-def test_the_float64_copy_of_a_site_is_freed_on_exit_without_a_garbage_collection(owner):
-    """The gate copies each site's module to float64 (its experts' weights shared as they are: the reference casts
-    one expert at a time); for a qwen3-30b-a3b layer such copies were 4.8 GB, so 48 of them kept alive by the
-    experts' closures until a collection ran out of memory on the H200 (session 8)."""
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_float64_copy_of_a_site_is_freed_on_exit_without_a_garbage_collection(owner, shared, monkeypatch):
+    """The gate copies each site's module to float64; for a qwen3-30b-a3b layer that is 4.8 GB, so 48 of them kept
+    alive by the experts' closures until a collection ran out of memory on the H200 (session 8). Experts past
+    SHARED_EXPERTS_BYTES keep their weights (shared, in their dtype) and the rest of the copy is float64."""
+    if shared:
+        monkeypatch.setattr(float64, "SHARED_EXPERTS_BYTES", 0)
     model = load_model("tiny-qwen3-moe", torch.float32, torch.device("cpu"))
     module = next(m for m in model.modules() if type(m).__name__.endswith("Experts" if owner == "experts" else
                                                                             "DecoderLayer"))
@@ -101,7 +105,7 @@ def test_the_float64_copy_of_a_site_is_freed_on_exit_without_a_garbage_collectio
         with float64_path(module.forward) as exact:
             copies = [weakref.ref(m) for m in _modules_behind(exact) if m is not module]
             params = [p for c in copies for p in c().parameters(recurse=False)]
-            assert copies and weights <= {id(p) for p in params}
+            assert copies and (weights <= {id(p) for p in params}) == shared
             assert all(p.dtype == torch.float64 for p in params if id(p) not in weights)
         del exact
         assert all(c() is None for c in copies)

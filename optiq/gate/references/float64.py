@@ -12,26 +12,30 @@ import torch
 from optiq.gate.references import experts as reference_experts
 from optiq.patching.structure import swiglu_experts
 
+SHARED_EXPERTS_BYTES = 2**31  # a layer's experts in float64 past this are not copied (qwen3-30b-a3b's: 4.8 GB)
+
 
 @contextmanager
 def float64_path(original: Callable):
     """``original`` in float64: a module's forward runs on a float64 copy of the module (SwiGLU MoE experts through
     ``references.experts``, other experts through transformers' eager loop: grouped GEMMs have no float64 kernel).
-    SwiGLU experts keep their weights, shared and in their own dtype, which ``references.experts`` casts one expert
-    at a time: a float64 copy of DeepSeek-V4-Flash's 256 experts would be 52 GB a layer. On exit the experts'
-    forwards are dropped: each holds its module, a cycle that would keep every site's float64 copy alive until a
-    garbage collection."""
+    SwiGLU experts whose float64 copy would pass SHARED_EXPERTS_BYTES keep their weights, shared and in their own
+    dtype, which ``references.experts`` casts one expert at a time: a float64 copy of DeepSeek-V4-Flash's 256
+    experts would be 52 GB a layer (smaller ones are copied: every expert at once is faster than a loop over the
+    experts hit). On exit the experts' forwards are dropped: each holds its module, a cycle that would keep every
+    site's float64 copy alive until a garbage collection."""
     owner = getattr(original, "__self__", None)
     if not isinstance(owner, torch.nn.Module):
         yield original
         return
-    shared = {id(p): p for m in owner.modules() if swiglu_experts(m) is not None for p in m.parameters(recurse=False)}
+    experts = [p for m in owner.modules() if swiglu_experts(m) is not None for p in m.parameters(recurse=False)]
+    shared = {id(p): p for p in experts} if sum(8 * p.numel() for p in experts) > SHARED_EXPERTS_BYTES else {}
     double = copy.deepcopy(owner, dict(shared))
     for module in double.modules():
         if swiglu_experts(module) is not None:
             module.forward = reference_experts.experts_forward(module)
-            continue
-        module._apply(lambda t: t.to(torch.float64) if t.is_floating_point() else t, recurse=False)
+        if not any(id(p) in shared for p in module.parameters(recurse=False)):
+            module._apply(lambda t: t.to(torch.float64) if t.is_floating_point() else t, recurse=False)
         if hasattr(getattr(module, "config", None), "_experts_implementation"):
             module.config._experts_implementation = "eager"
     try:

@@ -145,7 +145,8 @@ def _decode_spans(kwargs: dict) -> torch.Tensor | None:
     if kwargs.get("attention_mask") is not None or kwargs.get("use_vmap") or not isinstance(kv_offset, int) \
             or kv_offset != 0:
         options = {name: value for name, value in kwargs.items() if not name.startswith("allow_is_")}
-        return sdpa_mask(**options, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)[:, 0, 0].contiguous()
+        allowed = sdpa_mask(**options, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+        return allowed[:, 0, 0].contiguous()
     filled = _filled_length(kwargs).reshape(1).to(torch.int64)
     window = kwargs.get("local_size")
     if window is None:
