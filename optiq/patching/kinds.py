@@ -18,7 +18,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 from optiq.patching.changes import Change, Site, set_attribute, set_item, together
-from optiq.patching.structure import STRUCTURES
+from optiq.patching.structure import STRUCTURES, takes_first
 from optiq.patching.user_code import run
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class Function(PatchKind):
         found = []
         for namespace in (ns for ns in namespaces if callable(vars(ns).get(name))):
             original = _plain_function(vars(namespace)[name])
-            if leading and not _takes_first(original, leading):
+            if leading and not takes_first(original, leading):
                 continue
             label = f"{namespace.__name__}.{name}"
             found.append(Site(label, original, run(f"patch.with on {label}", factory, original, fusion),
@@ -116,14 +116,6 @@ def _function_target(target: str) -> tuple[str, str, tuple[str, ...]]:
     spec, _, parameters = target.partition("(")
     module_name, _, name = spec.rpartition(":")
     return module_name, name.strip(), tuple(p.strip() for p in parameters.rstrip(")").split(",") if p.strip())
-
-
-def _takes_first(function: Any, parameters: tuple[str, ...]) -> bool:
-    try:
-        names = tuple(inspect.signature(function).parameters)
-    except (TypeError, ValueError):  # no signature to read: not the function the recipe was written for
-        return False
-    return names[:len(parameters)] == parameters
 
 
 def _plain_function(value: Any) -> Any:

@@ -351,6 +351,16 @@ def grouped_linear(module: torch.nn.Module) -> GroupedLinearSite | None:
     return None
 
 
+def takes_first(function, parameters: tuple[str, ...]) -> bool:
+    """Whether ``function``'s leading parameters are ``parameters`` (False where it has no signature to read): one
+    name may stand for two computations, as ``apply_rotary_pos_emb(q, k, cos, sin)`` and ``(x, cos, sin)``."""
+    try:
+        names = tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return False
+    return names[:len(parameters)] == parameters
+
+
 @dataclass(frozen=True)
 class SwigluExpertsSite:
     limit: float | None  # gate clamped to at most limit and up to [-limit, limit] before silu(gate) * up; or none

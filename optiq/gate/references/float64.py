@@ -28,15 +28,16 @@ def float64_path(original: Callable):
     if not isinstance(owner, torch.nn.Module):
         yield original
         return
-    experts = [p for m in owner.modules() if swiglu_experts(m) is not None for p in m.parameters(recurse=False)]
-    shared = {id(p): p for p in experts} if sum(8 * p.numel() for p in experts) > SHARED_EXPERTS_BYTES else {}
-    double = copy.deepcopy(owner, dict(shared))
-    for module in double.modules():
-        if swiglu_experts(module) is not None:
-            module.forward = reference_experts.experts_forward(module)
-        if not any(id(p) in shared for p in module.parameters(recurse=False)):
+    experts = {name: m for name, m in owner.named_modules() if swiglu_experts(m) is not None}
+    weights = [p for m in experts.values() for p in m.parameters(recurse=False)]
+    share = sum(8 * p.numel() for p in weights) > SHARED_EXPERTS_BYTES
+    double = copy.deepcopy(owner, {id(p): p for p in weights} if share else {})
+    for name, module in double.named_modules():
+        if not (share and name in experts):
             module._apply(lambda t: t.to(torch.float64) if t.is_floating_point() else t, recurse=False)
-        if hasattr(getattr(module, "config", None), "_experts_implementation"):
+        if name in experts:
+            module.forward = reference_experts.experts_forward(module)
+        elif hasattr(getattr(module, "config", None), "_experts_implementation"):
             module.config._experts_implementation = "eager"
     try:
         yield double.forward if "forward" in vars(double) and original.__name__ == "forward" else \

@@ -6,14 +6,17 @@ import inspect
 
 import torch
 
+from optiq.patching.structure import takes_first
+
 HF_SIGNATURE = ("q", "k", "cos", "sin")  # the llama family's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
 ONE_TENSOR_SIGNATURE = ("x", "cos", "sin")  # DeepSeek-V4's apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1)
 
 
 def _takes(original, signature: tuple[str, ...]) -> None:
-    """Refuse a function whose leading parameters are not ``signature``: another rotation."""
-    params = tuple(inspect.signature(original).parameters)
-    if params[:len(signature)] != signature:
+    """Refuse a function whose leading parameters are not ``signature``: another rotation (a user recipe may name
+    the function without its parameters)."""
+    if not takes_first(original, signature):
+        params = tuple(inspect.signature(original).parameters)
         raise ValueError(f"{original.__module__}.{original.__name__} takes ({', '.join(params)}), not "
                          f"({', '.join(signature)}, ...)")
 
