@@ -63,6 +63,7 @@ class Job:
     profile: bool = False  # profile the model before and after fusing, for the report (else only for auto); a
     # truncated preset is always profiled: its whole model is extrapolated from the profiles (optiq.measure.depth)
     mutants: bool = False  # gate the mutants of each chosen recipe's kernel first (optiq.gate.mutants)
+    peer_budget_s: float | None = None  # the most a peer's warm-up may take at a point (optiq.measure.sweep)
 
 
 class SweepProgress:
@@ -184,7 +185,7 @@ def _fuse_and_measure(job: Job, model, bandwidth: float, record: RunRecord, run_
                                  job.mode)
     source = compile_ahead.Source(job.model, record.dtype, job.recipes_dirs, job.workload.prompt_len,
                                   job.workload.max_len)
-    with compile_ahead.workers(job.device, source, plan) as ahead:
+    with compile_ahead.workers(job.device, source, plan, hooks.note) as ahead:
         kernels = {}
         if job.profile or job.requested == "auto":
             kernels = _profile(job, model, "before", record.attribution_before, record, run_dir, hooks)
@@ -247,7 +248,8 @@ def _measure(job: Job, model, variants, bandwidth: float, rows: list[Row], recor
             hooks.save(record)
             progress.done()
 
-        sweep(model, job.concurrencies, job.workload, variants, bandwidth, on_row=on_row, on_start=progress.start)
+        sweep(model, job.concurrencies, job.workload, variants, bandwidth, on_row=on_row, on_start=progress.start,
+              peer_budget_s=job.peer_budget_s)
 
 
 def _profile(job: Job, model, state: str, attribution: dict, record: RunRecord, run_dir: Path,

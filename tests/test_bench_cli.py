@@ -12,7 +12,7 @@ from optiq import engine as decode_engine
 from optiq import record
 from optiq.cli import cli
 from optiq.errors import EXIT_GATE_REJECTED_ALL
-from optiq.measure.sweep import sweep
+from optiq.measure.sweep import compiled_forward, sweep
 from optiq.models import load_model
 from optiq.record import Workload
 from optiq.report import time_to_optimized
@@ -118,6 +118,22 @@ def test_a_failing_peer_is_recorded_and_the_sweep_goes_on():
     assert [(r.variant, r.status) for r in points] == [
         ("eager", "ok"), ("eager", "ok"), ("compile+eager", "failed"), ("compile+eager", "failed")]
     assert points[2].error == "RuntimeError: inductor gave up"
+
+
+def test_a_peer_past_its_warm_up_budget_says_so_and_the_next_peer_compiles():
+    """torch.compile of a real model, stopped by the budget mid-compile: a failed row with why, its other
+    concurrency not tried, and what it left behind reset, so that torch.compile works again afterwards."""
+    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    workload = Workload(8, 2, 32, 1)
+    variants = [("compile+eager", "eager", compiled_forward(model))]
+    points = sweep(model, [1, 2], workload, variants, bandwidth=1e11, peer_budget_s=0.05)
+    assert [(r.variant, r.concurrency, r.status) for r in points] == [("compile+eager", 1, "failed"),
+                                                                       ("compile+eager", 2, "failed")]
+    assert points[0].error == ("over budget: its warm-up at C=1 did not finish within 0.05 s (--peer-budget)")
+    assert points[1].error.startswith("not tried: its warm-up at C=1")
+    again = sweep(model, [1], workload, [("compile+eager", "eager", compiled_forward(model))], bandwidth=1e11,
+                  peer_budget_s=600)
+    assert again[0].status == "ok" and again[0].tok_per_s > 0
 
 
 def test_recipes_add_the_gated_optiq_variant_beside_the_baseline(tmp_path):

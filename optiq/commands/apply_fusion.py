@@ -25,7 +25,7 @@ from optiq.text import visible
               help="Print the report as one JSON document: run_dir, device_kind (cpu or cuda), on a CPU timing_note "
                    "(what its timings mean), then the run record of report.json.")
 def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency, prompt_len, new_tokens, max_len,
-                 repeats, mode, compare, gate_steps, min_share, mutants, runs_dir, wide, as_json):
+                 repeats, mode, peer_budget_s, compare, gate_steps, min_share, mutants, runs_dir, wide, as_json):
     """Patch the model with fusion recipes, validate them, re-measure throughput against concurrency, and report.
 
     \b
@@ -44,7 +44,8 @@ def apply_fusion(model_spec, dtype, device, requested, recipes_dir, concurrency,
 
     record, run, written, device = run_job("apply-fusion", model_spec, dtype, device, mode, concurrency, prompt_len,
                                            new_tokens, max_len, repeats, compare, requested, recipes_dir, gate_steps,
-                                           min_share, runs_dir, profile=True, mutants=mutants, report=True)
+                                           min_share, runs_dir, profile=True, mutants=mutants, report=True,
+                                           peer_budget_s=peer_budget_s)
     note = timing_note(device, fused=True)
     if as_json:
         print_json({"run_dir": str(run.path), **device_fields(device, fused=True), **record.to_json()})

@@ -45,14 +45,14 @@ kind and the whole model's step extrapolated from them, beside the whole model's
 @click.option("--json", "as_json", is_flag=True,
               help="Print the results as one JSON document: run_dir, device_kind (cpu or cuda), on a CPU timing_note "
                    "(what its timings mean), then the run record of results.json.")
-def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_len, repeats, mode, compare, requested,
-          recipes_dir, gate_steps, min_share, mutants, runs_dir, wide, as_json):
+def bench(model_spec, dtype, device, concurrency, prompt_len, new_tokens, max_len, repeats, mode, peer_budget_s, compare,
+          requested, recipes_dir, gate_steps, min_share, mutants, runs_dir, wide, as_json):
     from optiq.commands.views import fusion_summary, results_table, rich_table
     from optiq.report import depth_tables
 
     record, run, _, device = run_job("bench", model_spec, dtype, device, mode, concurrency, prompt_len, new_tokens,
                                      max_len, repeats, compare, requested, recipes_dir, gate_steps, min_share, runs_dir,
-                                     profile=False, mutants=mutants)
+                                     profile=False, mutants=mutants, peer_budget_s=peer_budget_s)
     fused = record.fusion is not None
     note = timing_note(device, fused)
     if as_json:

@@ -149,6 +149,11 @@ def measurement_options(compare_help: str, peers: tuple[str, ...] = ("compile",)
     def decorate(func):
         func = click.option("--compare", default=None, callback=parse_peers, metavar="|".join(peers),
                             help=compare_help)(func)
+        func = click.option("--peer-budget", "peer_budget_s", default=900.0, show_default=True, metavar="SECONDS",
+                            type=click.FloatRange(0, min_open=True), callback=_a_number,
+                            help="The most a peer's warm-up (torch.compile's compile, the graph's capture) may take "
+                                 "at one concurrency; past it the peer's row says so and its other concurrencies "
+                                 "are not tried.")(func)
         func = click.option("--mode", type=click.Choice(["eager", "graph"]), default=None,
                             help="eager, or graph: one CUDA graph per concurrency (default on CUDA).")(func)
         return click.option("--repeats", default=3, show_default=True, type=SIZE,
@@ -342,7 +347,7 @@ def device_fields(device, fused: bool) -> dict:
 
 def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_len, new_tokens, max_len, repeats,
             peers, requested, recipes_dirs, gate_steps, min_share, runs_dir, profile: bool, mutants: bool = False,
-            report: bool = False):
+            report: bool = False, peer_budget_s: float | None = None):
     """What ``apply-fusion`` and ``bench`` share around the workflow: the flags checked before any work, a run
     directory, the record saved after every step, with ``report`` the report rendered from it, and how the run ends
     (exit 1 with the record marked failed, 4 so too when no recipe applies, 130 interrupted, 3 when the gate
@@ -367,7 +372,7 @@ def run_job(command: str, model_spec, dtype, device, mode, concurrency, prompt_l
         named_recipes(requested, catalog)  # unknown names fail before any work
     job = Job(command, model_spec or default_preset(device), resolve_dtype(dtype or default_dtype(device), device),
               device, mode, parse_concurrency(concurrency), workload, peers, requested, catalog, tuple(recipes_dirs),
-              gate_steps, min_share, profile, mutants)
+              gate_steps, min_share, profile, mutants, peer_budget_s)
     record = new_record(job)
     run_dir = RunDir(runs_dir, command, dict(model=job.model, dtype=record.dtype, mode=mode,
                                              concurrency=job.concurrencies, compare=peers, recipes=requested,

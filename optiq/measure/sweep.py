@@ -3,12 +3,19 @@
 A point is the standard decode measurement: prefill once, warm up (this is where a graph is captured and where
 torch.compile compiles, and every kernel runs once), then decode ``new_tokens`` steps ``repeats`` times from the same
 prompt and take the median repeat (``timing.time_repeats``: on the CPU each repeat is its median step).
+
+A peer's warm-up may be given a budget: torch.compile of a model it cannot trace in one graph can compile for many
+minutes (DeepSeek-V4's forward, 170 s and counting), and a row that says why it has no number within the call is
+worth more than a call that runs out of time with nothing.
 """
 
 from __future__ import annotations
 
 import gc
+import signal
 import statistics
+import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -33,6 +40,35 @@ def compiled_forward(model: torch.nn.Module):
     return torch.compile(model.forward, fullgraph=True, dynamic=False)
 
 
+class OverBudget(BaseException):
+    """Raised in the main thread when a peer's warm-up runs past its budget: a BaseException, so that no ``except
+    Exception`` inside torch.compile takes it for a compile error of its own and carries on."""
+
+
+@contextmanager
+def warm_up_within(seconds: float | None):
+    """Raise ``OverBudget`` in the block once ``seconds`` have passed (a real-time timer's signal), until the
+    yielded ``stop()`` is called; no budget when ``seconds`` is None or off the main thread (where signals cannot be
+    delivered)."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+
+    def expire(signum, frame):
+        raise OverBudget
+
+    def stop() -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield stop
+    finally:
+        stop()
+        signal.signal(signal.SIGALRM, previous)
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     text = str(exc).lower()
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
@@ -45,13 +81,15 @@ def free_memory() -> None:
 
 
 def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: str, bandwidth: float,
-                  forward=None, variant: str | None = None) -> Row:
+                  forward=None, variant: str | None = None, budget_s: float | None = None) -> Row:
     """Measure decode throughput of ``model`` at concurrency ``batch``; returns one row of the sweep. On the CPU it
-    is timed on ``timing.CPU_THREADS`` threads, each repeat its median step, and marked a smoke number."""
+    is timed on ``timing.CPU_THREADS`` threads, each repeat its median step, and marked a smoke number. With
+    ``budget_s``, ``OverBudget`` is raised if the engine's set-up, the prefill and the warm-up take longer."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with fixed_threads(device) as threads, opened(model, batch, workload.max_len, mode, forward) as engine:
+    with (fixed_threads(device) as threads, warm_up_within(budget_s) as warmed_up,
+          opened(model, batch, workload.max_len, mode, forward) as engine):
         generator = torch.Generator().manual_seed(batch)
         prompt = torch.randint(model.config.get_text_config(decoder=True).vocab_size, (batch, workload.prompt_len),
                                generator=generator)
@@ -61,6 +99,7 @@ def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: 
         with Timer(device) as warmup:
             for _ in range(WARMUP_STEPS):
                 engine.step()
+        warmed_up()
 
         def reset() -> None:
             engine.seek(workload.prompt_len)
@@ -86,20 +125,31 @@ def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: 
 
 
 def sweep(model: torch.nn.Module, concurrencies: list[int], workload: Workload, variants: list[tuple[str, str, object]],
-          bandwidth: float, on_row=None, on_start=None) -> list[Row]:
+          bandwidth: float, on_row=None, on_start=None, peer_budget_s: float | None = None) -> list[Row]:
     """Measure every (variant, concurrency); a point that runs out of memory, or where the peer (a variant with its own
-    ``forward``, e.g. torch.compile) fails, is recorded and the sweep goes on.
+    ``forward``, e.g. torch.compile) fails, is recorded and the sweep goes on. A peer whose warm-up runs past
+    ``peer_budget_s`` gets a failed row saying so, and so do its later concurrencies, not tried: each would compile
+    again, about as long.
 
     ``variants`` holds ``(name, mode, forward)`` triples; ``on_row(row)`` runs after each point (to save results as
     they come), ``on_start(variant, concurrency)`` before each (for progress).
     """
     rows: list[Row] = []
     for name, mode, forward in variants:
+        over_budget = ""
         for batch in concurrencies:
             if on_start:
                 on_start(name, batch)
             try:
-                row = measure_point(model, batch, workload, mode, bandwidth, forward=forward, variant=name)
+                if over_budget:
+                    row = Row(name, mode, batch, "failed", error=f"not tried: {over_budget}")
+                else:
+                    row = measure_point(model, batch, workload, mode, bandwidth, forward=forward, variant=name,
+                                        budget_s=peer_budget_s if forward is not None else None)
+            except OverBudget:
+                torch._dynamo.reset()  # what it compiled so far, and its half-traced frame, go with it
+                over_budget = f"its warm-up at C={batch} did not finish within {peer_budget_s:g} s (--peer-budget)"
+                row = Row(name, mode, batch, "failed", error=f"over budget: {over_budget}")
             except Exception as exc:  # noqa: BLE001 - out-of-memory and a failing peer are recorded; the rest raises
                 oom, peer_failed = is_out_of_memory(exc), forward is not None  # the peer's failure is a result
                 if not (oom or peer_failed):
