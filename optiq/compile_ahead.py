@@ -10,8 +10,10 @@ workload's) starts before the proposals are profiled: it imports, builds that co
 names. Given them, it compiles while the gate runs the unpatched model, and Triton writes the kernels to its on-disk
 cache (atomically), where the gate and the graph captures after it find them. It is best effort: a kernel not there
 yet is compiled in place, and a worker that fails costs nothing but its own time. While they wait, the workers hold
-their CUDA contexts and copies in GPU memory. CUDA only (the interpreter compiles nothing);
-``OPTIQ_COMPILE_AHEAD=0`` turns it off, to measure what it buys.
+their CUDA contexts and copies in GPU memory, so none starts when the copies would take more than ``COPIES_SHARE``
+of the memory the model left free (DeepSeek-V4-Flash's one layer holds 256 experts, 13 GB: five copies beside its
+81 GB did not fit). CUDA only (the interpreter compiles nothing); ``OPTIQ_COMPILE_AHEAD=0`` turns it off, to measure
+what it buys.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from optiq.gate.plan import GatePlan
 from optiq.record import CompiledAhead
 
 ENGINE_STEPS = 2  # eager decode steps per engine: the first compiles, the second meets the cache's next length
+COPIES_SHARE = 0.25  # of the device's free memory, the most the workers' one-layer copies may hold together
 
 
 @dataclass
@@ -76,6 +79,18 @@ def one_layer_model(source: dict) -> tuple[torch.nn.Module, dict]:
     model = random_model(one_layer_of_each_kind(load_config(source["model"])), resolve_dtype(source["dtype"], device),
                          device)
     return model, load_catalog(source["recipes_dirs"])
+
+
+def copy_bytes(source: Source) -> int:
+    """The parameter bytes of one worker's one-layer copy, counted on the meta device (nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    from optiq.models import load_config, resolve_dtype
+
+    config = one_layer_of_each_kind(load_config(source.model))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(source.dtype, torch.device("meta")))
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def compile_engine(model: torch.nn.Module, catalog: dict, names: list[str], engine: tuple[int, int, int]) -> None:
@@ -174,11 +189,18 @@ class Workers:
 
 
 @contextmanager
-def workers(device: torch.device, source: Source, plan: GatePlan):
+def workers(device: torch.device, source: Source, plan: GatePlan, note=lambda line: None):
     """For ``workflow.fuse(ahead=)``, the workers for ``source``'s model and workload and the gate's ``plan`` for the
-    duration, or None where nothing is compiled ahead (module docstring); those still running when the block ends
-    are stopped."""
+    duration, or None where nothing is compiled ahead (module docstring: ``note(line)`` says why when the copies
+    would not fit); those still running when the block ends are stopped."""
     if device.type != "cuda" or os.environ.get("OPTIQ_COMPILE_AHEAD", "1") == "0":
+        yield None
+        return
+    count = len(engines(plan, source.prompt_len, source.max_len))
+    needed, free = count * copy_bytes(source), torch.cuda.mem_get_info(device)[0]
+    if needed > COPIES_SHARE * free:
+        note(f"kernels not compiled ahead: {count} one-layer copies of the model would hold {needed / 1e9:.1f} GB, "
+             f"more than {COPIES_SHARE:.0%} of the {free / 1e9:.1f} GB free")
         yield None
         return
     pool = Workers(source, plan)

@@ -42,6 +42,13 @@ def test_no_workers_off_cuda_or_when_turned_off(monkeypatch):
         assert ahead is None
 
 
+@pytest.mark.parametrize("preset, low, high", [("deepseek-v4-flash", 15.0, 16.0), ("llama-3.1-8b", 2.4, 2.6)])
+def test_a_copy_is_counted_without_building_it(preset, low, high):
+    # V4-Flash's one layer is its 256 experts (12.9 GB) beside the embeddings and head: five copies are 76 GB, more
+    # than the GPU has free beside its 81 GB model; Llama-3.1-8B's is its embeddings and head (1 GB each) and a layer.
+    assert low < compile_ahead.copy_bytes(compile_ahead.Source(preset, "bf16", (), 512, 1024)) / 1e9 < high
+
+
 DTYPE = "bf16" if torch.cuda.is_available() else "fp32"
 SMALL_GATE = GatePlan((2,), steps=4, prompt_len=8)  # the gate's one engine and the workload's: two workers
 
