@@ -236,7 +236,8 @@ def assert_kept(model, plan, name: str):
 def test_hyper_connections_are_found_by_what_they_compute():
     """DeepSeek-V4's mHC is found with the Sinkhorn iteration count and eps its config gives (read from what the
     module computes, not from its attribute names); its final collapse (one output, no Sinkhorn) and a norm are not
-    hyper-connections."""
+    hyper-connections. A layer around them is not a pre-norm decoder layer: add_rmsnorm's one residual stream
+    is not its four."""
     config = DeepseekV4Config(hidden_size=32, hc_mult=4, hc_sinkhorn_iters=7, hc_eps=1e-4, rms_norm_eps=1e-5)
     site = hyper_connection(DeepseekV4HyperConnection(config))
     assert (site.iterations, site.hc_eps, site.norm_eps) == (7, 1e-4, 1e-5)
@@ -244,6 +245,7 @@ def test_hyper_connections_are_found_by_what_they_compute():
     assert all(hyper_connection(layer.attn_hc) and hyper_connection(layer.ffn_hc) for layer in model.model.layers)
     assert hyper_connection(model.model.hc_head) is None
     assert hyper_connection(model.model.layers[0].input_layernorm) is None
+    assert not any(pre_norm_decoder_layer(layer) for layer in model.model.layers)
 
 
 def test_hyper_connection_recipe_is_kept_and_its_wrong_kernels_rolled_back(tmp_path):

@@ -194,13 +194,15 @@ def qkv_attention(module: torch.nn.Module) -> AttentionSite | None:
 
 def pre_norm_decoder_layer(module: torch.nn.Module) -> NormSite | None:
     """A pre-norm decoder layer (``input_layernorm`` before ``self_attn``, ``post_attention_layernorm`` before
-    ``mlp``) with no other norm, so the residual add before the MLP's norm is the layer's own: Gemma's sandwich
-    norms (pre/post feed-forward norms) and OLMo 2's post-norms are other placements. Returns the MLP norm's site."""
+    ``mlp``) with no other child that holds parameters, so the residual add before the MLP's norm is the layer's own:
+    Gemma's sandwich norms (pre/post feed-forward norms) and OLMo 2's post-norms are other placements, and
+    DeepSeek-V4's hyper-connections (``attn_hc``, ``ffn_hc``) mix four residual streams around each branch.
+    Returns the MLP norm's site."""
     names = dict(module.named_children())
-    if not {"input_layernorm", "post_attention_layernorm", "self_attn", "mlp"} <= set(names):
+    parts = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+    if not set(parts) <= set(names):
         return None
-    if any(rms_norm(child) for name, child in names.items()
-           if name not in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")):
+    if any(next(child.parameters(), None) is not None for name, child in names.items() if name not in parts):
         return None
     if rms_norm(names["input_layernorm"]) is None:
         return None
