@@ -116,7 +116,7 @@ def _off_by_one_visibility(monkeypatch, engine):
 
 def _window_one_longer(monkeypatch, engine):
     for layer in engine.cache.layers.values():
-        monkeypatch.setattr(layer, "sliding_window", layer.sliding_window + 1)
+        monkeypatch.setattr(layer, "recent", torch.cat([layer.recent[:1] - 1, layer.recent]))
 
 
 def _prefill_projections_lost(monkeypatch, engine):

@@ -49,15 +49,17 @@ def _hf(attention: torch.nn.Module) -> types.ModuleType:
     return sys.modules[type(attention).__module__]
 
 
-def _rows_at(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``buffer[b, index[b, j]]`` for [batch, positions, ...] and an index [batch, n]: a gather of static shape."""
-    return buffer[torch.arange(buffer.shape[0], device=buffer.device)[:, None], index]
+def _rows_at(buffer: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``buffer[b, index[b, j]]`` for [batch, positions, ...] and an index [batch, n]: a gather of static shape.
+    ``rows`` is ``arange(batch)``, made once with the cache: in a captured step every arange is a kernel."""
+    return buffer[rows[:, None], index]
 
 
-def _write(buffer: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> None:
-    """``buffer[b, index[b]] = value[b]`` in place, for an index [batch] on the device. No cast: the buffer has the
-    dtype HF gives the value, and a buffer that had another would fail here rather than round silently."""
-    buffer.index_put_((torch.arange(buffer.shape[0], device=buffer.device), index), value)
+def _write(buffer: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> None:
+    """``buffer[b, index[b]] = value[b]`` in place, for an index [batch] on the device (``rows`` as for
+    ``_rows_at``). No cast: the buffer has the dtype HF gives the value, and a buffer that had another would fail
+    here rather than round silently."""
+    buffer.index_put_((rows, index), value)
 
 
 def _mask(implementation_mask, **kwargs) -> torch.Tensor | None:
@@ -95,6 +97,7 @@ class _Compression:
         self.kv = torch.zeros(batch, windows * self.rate, width, dtype=dtype, device=device)
         self.gate = torch.zeros(batch, windows * self.rate, width, dtype=gate_dtype, device=device)
         self.entries = torch.zeros(batch, windows, self.head_dim, dtype=entry_dtype, device=device)
+        self.rows, self.offsets, self.slots = (torch.arange(n, device=device) for n in (batch, self.rate, windows))
 
     def absorb(self, cache_layer, name: str, compressor: torch.nn.Module, length: int, rows: slice) -> None:
         """Fill ``rows`` from HF's cache layer after their prefill of ``length`` positions: the buffer's remainder
@@ -120,24 +123,28 @@ class _Compression:
         hf = _hf(compressor)
         kv = compressor.kv_proj(hidden_states)[:, 0]
         gate = compressor.gate_proj(hidden_states)[:, 0] + compressor.position_bias[position % self.rate]
-        _write(self.kv, position, kv)
-        _write(self.gate, position, gate)
+        _write(self.kv, self.rows, position, kv)
+        _write(self.gate, self.rows, position, gate)
         window = position // self.rate
         start = window * self.rate
-        slots = start[:, None] + torch.arange(self.rate, device=position.device)  # [batch, rate]
-        window_kv, window_gate = _rows_at(self.kv, slots), _rows_at(self.gate, slots)
+        slots = start[:, None] + self.offsets  # [batch, rate]
+        window_kv, window_gate = _rows_at(self.kv, self.rows, slots), _rows_at(self.gate, self.rows, slots)
         if self.overlap:
             previous = (slots - self.rate).clamp(min=0)
             first = (window == 0)[:, None, None]
-            prior_kv = torch.where(first, 0.0, _rows_at(self.kv, previous)[..., :self.head_dim])
-            prior_gate = torch.where(first, float("-inf"), _rows_at(self.gate, previous)[..., :self.head_dim])
+            prior_kv = _rows_at(self.kv, self.rows, previous)[..., :self.head_dim].masked_fill(first, 0.0)
+            prior_gate = _rows_at(self.gate, self.rows, previous)[..., :self.head_dim].masked_fill(first,
+                                                                                                   float("-inf"))
             window_kv = torch.cat([prior_kv, window_kv[..., self.head_dim:]], dim=1)
             window_gate = torch.cat([prior_gate, window_gate[..., self.head_dim:]], dim=1)
-        weights = window_gate.softmax(dim=1, dtype=torch.float32).to(window_kv.dtype)
+        # The softmax over the window's slots, taken along the last dim of a transposed copy: torch's softmax over
+        # a middle dim is a kernel that spends ~24 us on HCA's [1, 128, 512] at one row.
+        weights = window_gate.transpose(1, 2).softmax(dim=-1, dtype=torch.float32).transpose(1, 2)
+        weights = weights.to(window_kv.dtype)
         pooled = compressor.kv_norm((window_kv * weights).sum(dim=1))[:, None]  # [batch, 1, head_dim]
         cos, sin = compressor.rotary_emb(pooled, position_ids=start[:, None], layer_type=compressor.rope_layer_type)
         pooled = hf.apply_rotary_pos_emb(pooled.unsqueeze(1), cos, sin).squeeze(1)
-        _write(self.entries, window, pooled[:, 0])
+        _write(self.entries, self.rows, window, pooled[:, 0])
         return (position + 1) // self.rate
 
     def converted(self, dtype: torch.dtype | None, scale: float | None) -> _Compression:
@@ -148,7 +155,7 @@ class _Compression:
 
     def visible(self, count: torch.Tensor) -> torch.Tensor:
         """[batch, slots]: which entries a query sees, the first ``count`` of each sequence."""
-        return torch.arange(self.entries.shape[1], device=count.device)[None] < count[:, None]
+        return self.slots[None] < count[:, None]
 
 
 class _Layer:
@@ -157,6 +164,8 @@ class _Layer:
     def __init__(self, attention: torch.nn.Module, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device):
         self.sliding_window = attention.sliding_window
+        self.rows = torch.arange(batch, device=device)
+        self.recent = torch.arange(1 - self.sliding_window, 1, device=device)  # a step's window, relative to it
         self.mask_dtype = dtype  # HF's masks have the dtype of the embeddings
         self.window = torch.zeros(batch, max_len, attention.head_dim, device=device,
                                   dtype=_output_dtype(attention.kv_norm, attention.head_dim, dtype, device))
@@ -218,10 +227,9 @@ class _Layer:
         [batch, 1, n, head_dim], and which of them it sees, [batch, n]: the sliding window, oldest first, then the
         closed compressed entries (HCA: all, CSA: the indexer's top-k)."""
         position = position_ids[:, 0]
-        _write(self.window, position, kv[:, 0, 0])
-        recent = position[:, None] - self.sliding_window + 1 + torch.arange(self.sliding_window,
-                                                                             device=position.device)
-        keys, seen = [_rows_at(self.window, recent.clamp(min=0))], [recent >= 0]
+        _write(self.window, self.rows, position, kv[:, 0, 0])
+        recent = position[:, None] + self.recent
+        keys, seen = [_rows_at(self.window, self.rows, recent.clamp(min=0))], [recent >= 0]
         if self.compression is not None:
             count = self.compression.step(attention.compressor, hidden_states, position)
             if self.indexing is None:
@@ -229,7 +237,7 @@ class _Layer:
                 seen.append(self.compression.visible(count))
             else:
                 picked = self._top_k(attention.compressor.indexer, hidden_states, q_residual, position_ids)
-                keys.append(_rows_at(self.compression.entries, picked))
+                keys.append(_rows_at(self.compression.entries, self.rows, picked))
                 seen.append(picked < count[:, None])
         keys = torch.cat(keys, dim=1)[:, None]  # promoting as HF's concatenation does
         return keys, torch.cat(seen, dim=1)
