@@ -7,7 +7,7 @@
 #   profile:MODEL  optiq profile --model MODEL --concurrency 64
 #   row:MODEL      optiq bench --model MODEL --compare $PEERS --recipes auto on workload W1: one row of the issue-6
 #                  table in one run (PEERS defaults to eager,compile; PEERS=compile leaves out HF eager; ROW_C
-#                  sets the concurrencies, 1,16,64 by default)
+#                  sets the concurrencies, 1,16,64 by default; PEER_BUDGET the peers' warm-up budget, 900 s)
 #   bench:F[,F]    scripts/bench_fusions.py for those fusions (e.g. bench:moe_experts,mla_decode) into $OUT
 #   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear, decode_attention) under fixed tile configs
 #                  against its heuristic, at TILES_ROWS rows (default 1,16,64)
@@ -83,7 +83,7 @@ for stage in "$@"; do
                     timeout "$(limit "$STAGE_S")" python3 scripts/gate_profile.py "${spec%%=*}" "${spec#*=}" \
                       "$OUT/gate_profile_${spec%%=*}.txt" 2>&1 | tee -a $OUT/log.txt ;;
     row:*) timeout "$(limit "$STAGE_S")" python3 -m optiq bench --model "${stage#row:}" --compare "$PEERS" \
-             --concurrency "${ROW_C:-1,16,64}" \
+             --concurrency "${ROW_C:-1,16,64}" --peer-budget "${PEER_BUDGET:-900}" \
              --recipes auto --runs-dir "$OUT/runs/${stage#row:}-row" 2>&1 | tee -a $OUT/log.txt ;;
     verify:*) timeout "$(limit "$STAGE_S")" python3 -m optiq recipes verify --mutants --model "${stage#verify:}" \
                 --concurrency "${VERIFY_C:-1,16,64}" --json --runs-dir "$OUT/runs/${stage#verify:}-verify" \
