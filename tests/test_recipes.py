@@ -14,7 +14,7 @@ from optiq.catalog.recipes import load_catalog
 
 BUILTIN = {"decode_attention", "rmsnorm", "add_rmsnorm", "swiglu", "gate_up_swiglu", "qkv_proj", "rope", "greedy_sample",
            "moe_experts", "mla_decode", "moe_router", "precision_flip", "attention_prologue", "decode_linear",
-           "sandwich_norm", "hyper_connection", "grouped_linear", "trailing_rope"}
+           "sandwich_norm", "hyper_connection", "grouped_linear", "trailing_rope", "indexer_scores"}
 
 
 def test_builtin_catalog_and_fusion_paths_resolve():

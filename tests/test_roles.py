@@ -62,8 +62,9 @@ def test_a_norm_without_a_learned_scale_is_a_norm():
 @pytest.mark.parametrize("preset, device", [("tiny-deepseek-v4", "cpu"), ("deepseek-v4-flash", "meta")])
 def test_deepseek_v4_roles(preset, device):
     """DeepSeek-V4: the hyper-connections (mHC) are neither mixer nor MLP; the compressor and the indexer nested in
-    it are roles of their own, holding their projections; both halves of the grouped output projection are o_proj;
-    every layer type is attention. At the real widths too (meta tensors: 40.6 B parameters, no memory)."""
+    it are roles of their own, holding their projections, and the indexer's scorer is the indexer's (a decode step
+    calls it alone); both halves of the grouped output projection are o_proj; every layer type is attention. At the
+    real widths too (meta tensors: 40.6 B parameters, no memory)."""
     if device == "meta":
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(load_config(preset))
@@ -82,6 +83,7 @@ def test_deepseek_v4_roles(preset, device):
         compressor = f"{layer}.self_attn.compressor"
         assert roles.get(compressor) == (None if kind == "sliding_attention" else "compressor"), kind
         assert roles.get(f"{compressor}.indexer") == ("indexer" if kind == "compressed_sparse_attention" else None)
+        assert roles.get(f"{compressor}.indexer.scorer") == roles.get(f"{compressor}.indexer")
         assert not any(name.startswith(f"{compressor}.") and role != "indexer" for name, role in roles.items())
     assert {"sliding_attention", "compressed_sparse_attention"} <= set(layer_types) or device == "meta"
     assert roles["model.hc_head"] == "mhc" and roles["model.norm"] == "norm"

@@ -5,16 +5,19 @@ then keeps (or rolls back, for a kernel wrong on them)."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV4Config, Gemma3TextConfig, Phi3Config
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4HyperConnection
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4Attention, DeepseekV4HyperConnection,
+                                                                 DeepseekV4IndexerScorer)
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from optiq.catalog.recipes import load_catalog
+from optiq.fusions.indexer_scores import indexer_scores
 from optiq.gate import GatePlan, validate
 from optiq.gate.mutants import verify
 from optiq.models import load_model
 from optiq.patching import apply, unpatch
-from optiq.patching.structure import (SwigluExpertsSite, gated_mlp, grouped_linear, hyper_connection,
+from optiq.patching.replacements.indexer import indexer_scores_forward
+from optiq.patching.structure import (SwigluExpertsSite, gated_mlp, grouped_linear, hyper_connection, indexer_scorer,
                                       pre_norm_decoder_layer, rms_norm, sandwich_norm_decoder_layer, swiglu_experts)
 
 from wrong_kernels import user_recipe
@@ -273,17 +276,21 @@ def test_grouped_projections_are_found_by_what_they_compute():
     assert grouped_linear(dense) is None
 
 
-def test_grouped_linear_recipe_is_kept_and_its_wrong_kernels_rolled_back(tmp_path):
-    """On both passes of the gate with every mutant that applies; a group offset by one and the block-diagonal
-    structure lost are rolled back."""
+@pytest.mark.parametrize("recipe, wrong_kernels", [
+    ("grouped_linear", ("grouped_linear_shifted_blocks", "grouped_linear_as_one_block")),
+    ("indexer_scores", ("indexer_scores_without_relu", "indexer_scores_heads_alike"))])
+def test_deepseek_v4_recipe_is_kept_and_its_wrong_kernels_rolled_back(tmp_path, recipe, wrong_kernels):
+    """On tiny-deepseek-v4 (a prompt of 9: its CSA layer's indexer has two closed windows to score), on both passes of
+    the gate with every mutant that applies. Rolled back: a group offset by one and the block-diagonal structure lost
+    (grouped_linear); the lossy indexer flip without the ReLU, or weighing every head alike (for indexer_scores, a
+    scale off by 1.6% sits at the lossy floor, two bf16 ulps: the flip's own error on top of it puts it past)."""
     model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
-    plan = GatePlan((2,), steps=3, prompt_len=5)
-    result = assert_kept(model, plan, "grouped_linear")
+    plan = GatePlan((2,), steps=3, prompt_len=9)
+    result = assert_kept(model, plan, recipe)
     killed = {mutant.name for mutant in result.mutants if mutant.status == "killed"}
     assert {"first block dropped", "last block dropped", "rows 0 and 1 swapped", "last row stale",
             "state kept across calls"} <= killed, result.mutants
-    assert_rolled_back(model, plan, tmp_path, "grouped_linear",
-                       ("grouped_linear_shifted_blocks", "grouped_linear_as_one_block"))
+    assert_rolled_back(model, plan, tmp_path, recipe, wrong_kernels)
 
 
 def test_a_site_the_gate_cannot_replay_rolls_its_recipe_back():
@@ -349,3 +356,34 @@ def test_v4_experts_recipe_is_kept_and_a_kernel_without_the_clamp_rolled_back(tm
     plan = GatePlan((2,), steps=3, prompt_len=9)
     assert_kept(model, plan, "moe_experts")
     assert_rolled_back(model, plan, tmp_path, "moe_experts", ("experts_without_clamp",))
+
+
+class ScorerWithoutRelu(DeepseekV4IndexerScorer):
+    """An indexer scorer's projection and scales, its ReLU left out: another function."""
+
+    def forward(self, q, compressed_kv, hidden_states):
+        scores = torch.matmul(q.float(), compressed_kv.transpose(-1, -2).float().unsqueeze(1)) * self.softmax_scale
+        weights = self.weights_proj(hidden_states).float() * self.weights_scaling
+        return (scores * weights.unsqueeze(-1)).sum(dim=2)
+
+
+def test_indexer_scorers_are_found_by_what_they_compute():
+    """Every CSA layer's scorer in tiny-deepseek-v4 and nothing else, with the product of its config's two scales
+    (found among the module's floats by what they do); a scorer without the ReLU, or whose projection has a bias,
+    is not one. Its replacement refuses any other module and hands a prefill's many positions to HF's forward."""
+    config = DeepseekV4Config(hidden_size=32, index_n_heads=5, index_head_dim=24)
+    site = indexer_scorer(DeepseekV4IndexerScorer(config))
+    assert site.projection == "weights_proj" and site.scale == pytest.approx((24 * 5) ** -0.5, rel=1e-12)
+    assert indexer_scorer(ScorerWithoutRelu(config)) is None
+    biased = DeepseekV4IndexerScorer(config)
+    biased.weights_proj = torch.nn.Linear(32, 5)
+    assert indexer_scorer(biased) is None
+    model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
+    found = {name for name, module in model.named_modules() if indexer_scorer(module)}
+    assert found == {f"model.layers.{i}.self_attn.compressor.indexer.scorer"
+                     for i, kind in enumerate(model.config.layer_types) if kind == "compressed_sparse_attention"}
+    scorer = model.get_submodule(found.pop())
+    q, keys, hidden = torch.randn(2, 3, 3, 16), torch.randn(2, 5, 16), torch.randn(2, 3, 64)
+    assert torch.equal(indexer_scores_forward(scorer, indexer_scores)(q, keys, hidden), scorer(q, keys, hidden))
+    with pytest.raises(ValueError, match="lightning indexer"):
+        indexer_scores_forward(model.model.layers[0].input_layernorm, indexer_scores)

@@ -9,6 +9,7 @@ import torch
 
 from optiq.fusions.attention_prologue import attention_prologue
 from optiq.fusions.decode_attention import decode_attention_reference
+from optiq.fusions.indexer_scores import indexer_scores_reference
 from optiq.fusions.linear import grouped_linear_reference
 from optiq.fusions.mla_decode import mla_decode_reference
 from optiq.fusions.moe_experts import moe_experts_reference
@@ -183,3 +184,14 @@ def trailing_rope_half_split(x, cos, sin):
 def experts_without_clamp(x, top_k_index, top_k_weights, w_gate_up, w_down, limit=None):
     """MoE experts that ignore DeepSeek-V4's SwiGLU clamp: right wherever no product passes the limit."""
     return moe_experts_reference(x, top_k_index, top_k_weights, w_gate_up, w_down)
+
+
+def indexer_scores_without_relu(q, k, weights, scale):
+    """A lightning indexer that forgot the ReLU: a key's negative dot products with some heads count against it."""
+    return (q.float() @ k.float().transpose(-1, -2) * weights.float().unsqueeze(-1)).sum(dim=-2) * scale
+
+
+def indexer_scores_heads_alike(q, k, weights, scale):
+    """A lightning indexer that weighs every head alike, at the heads' mean weight (one weight read per sequence
+    instead of one per head)."""
+    return indexer_scores_reference(q, k, weights.float().mean(dim=-1, keepdim=True).expand(weights.shape), scale)

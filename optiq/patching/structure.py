@@ -325,7 +325,8 @@ def grouped_linear(module: torch.nn.Module) -> GroupedLinearSite | None:
     """A block-diagonal projection without bias (DeepSeek-V4's grouped output projection): one weight [N, K], no
     submodule, and a forward from [..., G, K] to [..., G, N / G] taking group g through the g-th block of N / G weight
     rows. G is one of the module's int attributes other than its widths, each tried on a probe that shares the
-    module's attributes but holds a random float64 weight (the real one, 67 MB a layer on V4-Flash, is not copied)."""
+    module's attributes but holds a random float64 weight (the real one, 67 MB a layer on V4-Flash, is not copied),
+    drawn on the weight's device: on the host, V4-Flash's [8192, 4096] took about a second a site."""
     params = dict(module.named_parameters(recurse=False))
     weight = params.get("weight")
     if set(params) != {"weight"} or weight.dim() != 2 or next(module.children(), None) is not None:
@@ -335,12 +336,13 @@ def grouped_linear(module: torch.nn.Module) -> GroupedLinearSite | None:
                          if type(value) is int and 1 < value < n and n % value == 0 and value != k})
     if not candidates:
         return None
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(weight.device).manual_seed(0)
     probe = copy.copy(module)
     probe._parameters = {"weight": torch.nn.Parameter(
-        torch.randn(n, k, dtype=torch.float64, generator=generator).to(weight.device) / k**0.5, requires_grad=False)}
+        torch.randn(n, k, dtype=torch.float64, device=weight.device, generator=generator) / k**0.5,
+        requires_grad=False)}
     for groups in candidates:
-        x = torch.randn(PROBE_ROWS, groups, k, dtype=torch.float64, generator=generator).to(weight.device)
+        x = torch.randn(PROBE_ROWS, groups, k, dtype=torch.float64, device=weight.device, generator=generator)
         try:
             with torch.no_grad():
                 got = type(module).forward(probe, x)
@@ -416,7 +418,55 @@ def swiglu_experts(module: torch.nn.Module) -> SwigluExpertsSite | None:
     return None
 
 
+@dataclass(frozen=True)
+class IndexerScorerSite:
+    projection: str  # the attribute holding the nn.Linear that gives the heads' weights
+    scale: float  # the product of the module's two scales (the scores are linear in each: only it shows)
+
+
+def indexer_scorer(module: torch.nn.Module) -> IndexerScorerSite | None:
+    """A lightning indexer's scorer (DeepSeek-V4's): no parameter of its own, one bias-free nn.Linear (hidden -> H)
+    as its only child holding parameters, and a forward from q [B, S, H, D], keys [B, T, D] and the hidden states
+    [B, S, hidden] to the scores [B, S, T] ``sum_h w[h] * relu(q[h] . k) * a * b``, w the projection of the hidden
+    states and a, b two of the module's float attributes (HF's softmax_scale and weights_scaling). Every pair is
+    tried on a probe that shares the module's attributes but holds a random float64 projection, with random q, keys
+    and hidden states (head weights of both signs: weighting before the ReLU, or not at all, is far off); HF
+    computes in fp32 whatever it is given, so the pair that comes closest, to fp32's precision, is the match."""
+    if next(module.parameters(recurse=False), None) is not None:
+        return None
+    holders = [(name, child) for name, child in module.named_children() if next(child.parameters(), None) is not None]
+    if len(holders) != 1 or not isinstance(holders[0][1], torch.nn.Linear) or holders[0][1].bias is not None:
+        return None
+    name, projection = holders[0]
+    floats = [value for value in vars(module).values() if type(value) is float]
+    products = {a * b for i, a in enumerate(floats) for b in floats[i + 1:] if a * b}
+    if not products:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    device, heads, width = projection.weight.device, projection.out_features, projection.in_features
+    random_projection = copy.copy(projection)
+    random_projection._parameters = {**projection._parameters, "weight": torch.nn.Parameter(
+        torch.randn(heads, width, dtype=torch.float64, generator=generator).to(device) / width**0.5,
+        requires_grad=False)}
+    probe = copy.copy(module)
+    probe._modules = {**module._modules, name: random_projection}
+    q, keys, hidden = (torch.randn(shape, dtype=torch.float64, generator=generator).to(device)  # heads of 8, 5 keys
+                       for shape in ((2, PROBE_ROWS, heads, 8), (2, 5, 8), (2, PROBE_ROWS, width)))
+    with torch.no_grad():
+        try:
+            got = type(module).forward(probe, q, keys, hidden)
+        except Exception:  # noqa: BLE001 - another signature: another structure
+            return None
+        scores = torch.relu(q @ keys.unsqueeze(1).transpose(-1, -2))  # [2, S, H, T]
+        unscaled = (scores * random_projection(hidden).unsqueeze(-1)).sum(dim=2)
+    if not isinstance(got, torch.Tensor) or got.shape != unscaled.shape:
+        return None
+    errors = {scale: ((got - unscaled * scale).norm() / (unscaled * scale).norm()).item() for scale in products}
+    scale = min(errors, key=errors.get)
+    return IndexerScorerSite(name, scale) if errors[scale] < 1e-5 else None
+
+
 STRUCTURES = {"rms_norm": rms_norm, "gated_mlp": gated_mlp, "qkv_attention": qkv_attention,
               "pre_norm_decoder_layer": pre_norm_decoder_layer,
               "sandwich_norm_decoder_layer": sandwich_norm_decoder_layer, "hyper_connection": hyper_connection,
-              "grouped_linear": grouped_linear, "swiglu_experts": swiglu_experts}
+              "grouped_linear": grouped_linear, "swiglu_experts": swiglu_experts, "indexer_scorer": indexer_scorer}

@@ -16,7 +16,8 @@ Hyper-connections (DeepSeek-V4's mHC) keep several residual streams: a module wh
 them (an input width that is a multiple of the hidden size) is ``mhc``, wherever it sits, and is neither the layer's
 mixer nor its MLP. Inside attention a sub-block with projections of its own (DeepSeek-V4's compressor, the indexer
 of V3.2 and V4) is one role for all it holds: ``indexer`` where it writes the indexer's heads
-(``index_n_heads`` x ``index_head_dim``), else ``compressor`` when the config compresses the KV
+(``index_n_heads`` x ``index_head_dim``), and so is every sub-block inside it (V4's scorer, which a decode step on
+optiq's static cache calls without the indexer's forward), else ``compressor`` when the config compresses the KV
 (``compress_rates``), else part of ``attention``; the grouped half of a grouped output projection (writing
 ``o_groups`` x ``o_lora_rank``) is ``o_proj`` as the projection after it is.
 """
@@ -143,15 +144,15 @@ def _sub_blocks(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _attention_roles(attn: torch.nn.Module, prefix: str, config, roles: dict[str, str]) -> None:
-    pending = [(name, child, True) for name, child in _sub_blocks(attn)]
+    pending = [(name, child, True, None) for name, child in _sub_blocks(attn)]
     inside: set[int] = set()  # the modules of sub-blocks: their projections and norms are the sub-block's
     while pending:
-        name, block, outermost = pending.pop()
+        name, block, outermost, enclosing = pending.pop()
         inside.update(id(m) for m in block.modules())
-        role = _sub_block_role(block, outermost, config)
+        role = "indexer" if enclosing == "indexer" else _sub_block_role(block, outermost, config)
         if role:
             roles[f"{prefix}.{name}"] = role
-        pending.extend((f"{name}.{child_name}", child, False) for child_name, child in _sub_blocks(block))
+        pending.extend((f"{name}.{child_name}", child, False, role) for child_name, child in _sub_blocks(block))
     projections = [(name, m) for name, m in attn.named_modules() if name and _is_projection(m) and id(m) not in inside]
     latent = config_value(config, "kv_lora_rank")
     head_dim = config_value(config, "head_dim", "qk_head_dim")
