@@ -4,9 +4,9 @@ A point is the standard decode measurement: prefill once, warm up (this is where
 torch.compile compiles, and every kernel runs once), then decode ``new_tokens`` steps ``repeats`` times from the same
 prompt and take the median repeat (``timing.time_repeats``: on the CPU each repeat is its median step).
 
-A peer's warm-up may be given a budget: torch.compile of a model it cannot trace in one graph can compile for many
-minutes (DeepSeek-V4's forward, 170 s and counting), and a row that says why it has no number within the call is
-worth more than a call that runs out of time with nothing.
+A peer's warm-up may be given a budget: torch.compile of a model whose shapes change from step to step recompiles
+for minutes (DeepSeek-V4's forward on HF's own cache, which grows: still compiling 170 s in), and a row that says why
+it has no number within the call is worth more than a call that runs out of time with nothing.
 """
 
 from __future__ import annotations
