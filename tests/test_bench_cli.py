@@ -118,6 +118,8 @@ def test_a_failing_peer_is_recorded_and_the_sweep_goes_on():
     assert [(r.variant, r.status) for r in points] == [
         ("eager", "ok"), ("eager", "ok"), ("compile+eager", "failed"), ("compile+eager", "failed")]
     assert points[2].error == "RuntimeError: inductor gave up"
+    from optiq.commands.views import results_table  # the console says why a point has no number
+    assert "compile+eager C=2: RuntimeError: inductor gave up" in results_table(points, "t").caption
 
 
 def test_a_peer_past_its_warm_up_budget_says_so_and_the_next_peer_compiles():

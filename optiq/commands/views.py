@@ -162,10 +162,14 @@ def results_table(rows: list[Row], title: str, wide: bool = False, interpreted: 
         cells.append([visible(r.variant), str(r.concurrency), f"{r.tok_per_s:,.1f}", *([ratio] if compiled else []),
                       f"{r.ms_per_step:.3f}", f"{r.floor_ms_per_step:.3f}", f"{r.pct_of_floor:.1f}",
                       f"{r.prefill_ms:.1f}", f"{r.warmup_s:.2f}", peak])
+    # A point without a number says why under the table (a failing peer's error, one over its warm-up budget)
+    notes = [f"{visible(r.variant)} C={r.concurrency}: {visible(r.error)}"
+             for r in rows if r.status != "ok" and r.error]
+    if interpreted and compiled:
+        notes.append(f"{NOT_MEANINGFUL} = not meaningful: kernels under Triton's interpreter")
     return Fitted(title, columns, cells, numeric=columns[1:],
                   optional=("peak GB", "prefill ms", "warm-up s", "floor ms"), wide=wide,
-                  caption=f"{NOT_MEANINGFUL} = not meaningful: kernels under Triton's interpreter" if interpreted
-                  and compiled else None)
+                  caption="\n".join(notes) or None)
 
 
 def fusion_summary(record: RunRecord) -> str:
