@@ -8,7 +8,13 @@ cuBLAS on every preset GEMM measured (scripts/tiles.py linear; BENCHMARKS.md has
 the GEMM goes to cuBLAS, through F.linear, which was faster there.
 A residual may be added in the epilogue (the decoder layer's add after down_proj), so the sum is written once, with
 one rounding, and costs no kernel of its own.
+A projection too narrow to give every SM an output tile (a 1024-column o_proj is 32 tiles for 132 SMs) has its K cut
+into slices, split-K, still in the one launch: each program writes its fp32 partial sum, and the last program of a
+tile to arrive (an arrival counter per tile, left at zero for the next launch) adds the partials in slice order and
+runs the epilogue, so the result does not depend on which program came last.
 """
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -21,65 +27,121 @@ from optiq.fusions.launch import (launch_options, multiprocessor_count, shared_m
 
 DECODE_ROWS = 16  # rows up to which the streaming kernel is used
 MAX_BLOCK_M = 64  # the kernel's largest M tile: every row of x in one tile, so W is read once
-TILE_GRID = [dict(BLOCK_N=n, BLOCK_K=k, num_stages=s, num_warps=w)
-             for n in (16, 32) for k in (128, 256, 512) for s in (3, 4) for w in (4, 8)]
+KSPLIT_MIN = 256  # the narrowest K slice split-K cuts (qwen3-0.6b's down_proj was fastest in slices of 384)
+MAX_SPLITS = 8
+ARRIVAL_SLOTS = 1 << 16  # split-K arrival counters a device keeps: output tiles of one launch
+TILE_GRID = [dict(BLOCK_N=n, BLOCK_K=k, SPLITS=splits)  # what scripts/tiles.py times (4 warps beat 8 everywhere)
+             for n in (16, 32, 64) for k in (128, 256) for splits in (1, 2, 3, 4, 6, 8)]
 
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, M, N, K,
+    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_per_split,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
     stride_xg, stride_wg, stride_og,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Output columns [BLOCK_N] of every row (M <= BLOCK_M) of group program_id(1) (x, w and out advanced by their
-    group strides; one group for a plain linear), accumulated in fp32 over all of K, the bias and the residual added
-    to the sum before its one rounding."""
+    group strides; one group for a plain linear), accumulated in fp32 over K slice program_id(2) of SPLITS, the bias
+    and the residual added to the whole sum before its one rounding.
+
+    With SPLITS > 1 each program writes its fp32 partial sum to ``partial_ptr`` and counts itself in the tile's
+    arrival counter; the last to arrive adds the SPLITS partials in split order (the same sum whichever program is
+    last), runs the epilogue and sets the counter back to 0 for the next call."""
     wait_for_predecessor(USE_PDL)
     group = tl.program_id(1).to(tl.int64)
-    x_ptr += group * stride_xg
-    w_ptr += group * stride_wg
+    split = tl.program_id(2)
+    x_ptr += group * stride_xg + split * k_per_split * stride_xk
+    w_ptr += group * stride_wg + split * k_per_split * stride_wk
     out_ptr += group * stride_og
     rows = tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = tl.program_id(0) * BLOCK_N + offs_n
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    acc = stream_dot(x_ptr, w_ptr, rows, cols, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                     BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if HAS_RESIDUAL:
-        residual = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0)
-        acc += residual.to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    acc = stream_dot(x_ptr, w_ptr, rows, cols, M, N, tl.minimum(K - split * k_per_split, k_per_split),
+                     stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT)
+    last = True
+    if SPLITS > 1:
+        tile = group * tl.num_programs(0) + tl.program_id(0)
+        partials = partial_ptr + ((tile * SPLITS * BLOCK_M + rows[:, None]) * BLOCK_N + offs_n[None, :])
+        row_mask = (rows[:, None] < M) & (offs_n[None, :] < BLOCK_N)
+        tl.store(partials + split * BLOCK_M * BLOCK_N, acc, mask=row_mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival that publishes them
+        last = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel") == SPLITS - 1
+        if last:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for other in range(SPLITS):  # from L2: written by other SMs during this kernel
+                acc += tl.load(partials + other * BLOCK_M * BLOCK_N, mask=row_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrivals_ptr + tile, 0)
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if HAS_RESIDUAL:
+            residual = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0)
+            acc += residual.to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def split_count(tiles: int, k: int, num_sms: int) -> int:
+    """K slices each output tile is cut into: about one program an SM when the tiles alone leave a third of the SMs
+    idle or more (qwen3-0.6b's 1024 columns are 32 tiles of 32 for 132 SMs, Gemma-3-1B's 1152 are 36), each slice
+    still KSPLIT_MIN wide; one where the tiles (nearly) fill the GPU (Phi-3's 3072 columns, 96 tiles: slicing them
+    measured no faster)."""
+    if 3 * tiles > 2 * num_sms or os.environ.get("OPTIQ_SPLIT_K", "1") == "0":  # the knob: to measure what it buys
+        return 1
+    return max(1, min(triton.cdiv(num_sms, tiles), k // KSPLIT_MIN, MAX_SPLITS))
 
 
 def tile_config(n: int, k: int, device: torch.device, rows: int = 1, itemsize: int = 2) -> dict:
-    """Tiles from the shapes, as measured on the H200 (scripts/tiles.py linear, 4 warps always ahead of 8): 32 output
-    columns per program from 2048 columns up, or past 8 rows (where x's re-reads through L2 count), else 16, so that
-    a 1024-column projection still spreads over 64 SMs at one row. K tiles of 512 when every program has an SM of its
-    own and K spans four tiles or more. When the programs outnumber the SMs, K tiles of 128 wherever their four
-    stages let all of an SM's programs stay resident together: 256-wide ones left Phi-3's QKV (three programs an SM)
-    16% slower and DeepSeek-V4's grouped output projection (two an SM) a third slower, and cost Llama's QKV (one or
-    two an SM) under 3%. Else 256: an LM head's thousands of programs run in waves whatever the tile. Phi-3's 3072
-    columns took 16 columns a program up to session 14, which left its o_proj and down_proj a third slower."""
-    block_n = 32 if n >= 2048 or rows > 8 else 16
+    """Tiles from the shapes, as measured on the H200 and H100 (scripts/tiles.py linear, 4 warps always ahead of 8):
+    32 output columns per program from 2048 columns up, or past 8 rows (where x's re-reads through L2 count), else
+    16, so that a 1024-column projection still spreads over 64 SMs at one row, unless its K is sliced (split_count),
+    where 32 columns a tile halve the slices' x reads. K tiles of 512 when every program has an SM of its own and its
+    K slice spans four tiles or more. When the programs outnumber the SMs, K tiles of 128 wherever their four stages
+    let all of an SM's programs stay resident together: 256-wide ones left Phi-3's QKV (three programs an SM) 16%
+    slower and DeepSeek-V4's grouped output projection (two an SM) a third slower, and cost Llama's QKV (one or two an
+    SM) under 3%. Else 256: an LM head's thousands of programs run in waves whatever the tile."""
+    num_sms = multiprocessor_count(device)
+    block_n = 32 if n >= 2048 or rows > 8 or split_count(triton.cdiv(n, 16), k, num_sms) > 1 else 16
+    tiles = triton.cdiv(n, block_n)
+    splits = split_count(tiles, k, num_sms)
     # Past 16 rows (which the product hands to cuBLAS; scripts/tiles.py times the kernel there, to find where it
     # should take over): one 64-row x tile, whose K tiles of 128 keep three stages within shared memory
     if rows > 16:
-        return dict(BLOCK_M=MAX_BLOCK_M, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=3)
-    stages = 4
-    per_sm = triton.cdiv(triton.cdiv(n, block_n), multiprocessor_count(device))  # programs an SM holds in one wave
-    resident = per_sm * stages * (16 + block_n) * 128 * itemsize <= shared_memory_per_multiprocessor(device)
-    block_k = 512 if k >= 4 * 512 and per_sm == 1 else 128 if per_sm > 1 and resident else 256
-    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
+        block_m, block_k, stages = MAX_BLOCK_M, 128, 3
+    else:
+        block_m, stages = 16, 4
+        per_sm = triton.cdiv(tiles * splits, num_sms)  # programs an SM holds in one wave
+        resident = per_sm * stages * (16 + block_n) * 128 * itemsize <= shared_memory_per_multiprocessor(device)
+        block_k = 512 if k // splits >= 4 * 512 and per_sm == 1 else 128 if per_sm > 1 and resident else 256
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=k_slices(k, splits, block_k)[1],
+                num_warps=4, num_stages=stages)
 
 
-def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def k_slices(k: int, splits: int, block_k: int) -> tuple[int, int]:
+    """(slice width, slices): ``splits`` slices of whole K tiles each, as many as that leaves (none empty)."""
+    width = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    return width, triton.cdiv(k, width)
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device) -> torch.Tensor:
+    """The split-K arrival counters of ``device``: made zero once, and left zero by every launch (the last program of
+    a tile resets its counter), so no launch needs a memset of its own. Launches on one stream take turns with them."""
+    if device not in _ARRIVALS:
+        _ARRIVALS[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
+    return _ARRIVALS[device]
+
+
+def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, arrivals: torch.Tensor,
                   residual: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
     """The kernel for up to DECODE_ROWS rows of x, cuBLAS past them (with the residual in its epilogue, addmm, when
-    there is no bias; one batched GEMM over the groups). Called from inside a triton_op."""
+    there is no bias; one batched GEMM over the groups). Called from inside a triton_op; ``arrivals`` are
+    arrival_counters(x.device), which the op mutates (and leaves as it found them)."""
     k = x.shape[-1]
     n = weight.shape[0] // groups
     x3d = x.reshape(-1, groups, k)
@@ -97,20 +159,24 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out3d = out.view(rows, groups, n)
     r2d = residual.reshape(rows, n) if residual is not None else out3d[:, 0]
     config = tile_config(groups * n, k, x.device, rows, x.element_size())  # the programs of every group share SMs
-    torch.library.wrap_triton(_linear_kernel)[(triton.cdiv(n, config["BLOCK_N"]), groups)](
-        x3d, weight, bias if bias is not None else weight, r2d, out3d, rows, n, k,
+    tiles = triton.cdiv(n, config["BLOCK_N"])
+    k_per_split, splits = k_slices(k, config["SPLITS"] if groups * tiles <= arrivals.numel() else 1, config["BLOCK_K"])
+    partials = torch.empty((groups * tiles * splits * config["BLOCK_M"] * config["BLOCK_N"],) if splits > 1 else (1,),
+                           dtype=torch.float32, device=x.device)
+    torch.library.wrap_triton(_linear_kernel)[(tiles, groups, splits)](
+        x3d, weight, bias if bias is not None else weight, r2d, out3d, partials, arrivals, rows, n, k, k_per_split,
         x3d.stride(0), x3d.stride(2), *weight.stride(), *r2d.stride(), out3d.stride(0), out3d.stride(2),
         x3d.stride(1), n * weight.stride(0), out3d.stride(1),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, FP32_DOT=fp32_dot(x.dtype),
-        **config, **launch_options(x),
+        **{**config, "SPLITS": splits}, **launch_options(x),
     )
     return out
 
 
-@torch.library.triton_op("optiq::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+@torch.library.triton_op("optiq::linear", mutates_args={"arrivals"})
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, arrivals: torch.Tensor, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
-    return launch_linear(x, weight, bias, residual, groups)
+    return launch_linear(x, weight, bias, arrivals, residual, groups)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -124,7 +190,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"bias {tuple(bias.shape)} is not [{weight.shape[0]}]")
     if residual is not None and residual.shape != (*x.shape[:-1], weight.shape[0]):
         raise ValueError(f"residual {tuple(residual.shape)} is not {(*x.shape[:-1], weight.shape[0])}")
-    return torch.ops.optiq.linear(x, weight, bias, residual)
+    return torch.ops.optiq.linear(x, weight, arrival_counters(x.device), bias, residual)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
@@ -136,7 +202,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
         raise ValueError(f"weight {tuple(weight.shape)} is not [{groups} N, {x.shape[-1]}]")
     if x.dim() < 2 or x.shape[-2] != groups:
         raise ValueError(f"x {tuple(x.shape)} does not hold {groups} groups in its second-to-last dim")
-    return torch.ops.optiq.linear(x, weight, None, None, groups)
+    return torch.ops.optiq.linear(x, weight, arrival_counters(x.device), None, None, groups)
 
 
 def grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from optiq.fusions.linear import launch_linear
+from optiq.fusions.linear import arrival_counters, launch_linear
 
 
 def concat_qkv_weights(w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor) -> torch.Tensor:
@@ -21,9 +21,10 @@ def concat_qkv_weights(w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor) 
     return torch.cat((w_q, w_k, w_v), dim=0).contiguous()
 
 
-@torch.library.triton_op("optiq::qkv_proj", mutates_args=())
-def _qkv_proj_op(x: torch.Tensor, w_qkv: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return launch_linear(x, w_qkv, bias)
+@torch.library.triton_op("optiq::qkv_proj", mutates_args={"arrivals"})
+def _qkv_proj_op(x: torch.Tensor, w_qkv: torch.Tensor, arrivals: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    return launch_linear(x, w_qkv, bias, arrivals)
 
 
 def qkv_proj(x: torch.Tensor, w_qkv: torch.Tensor, split_sizes: Sequence[int],
@@ -34,7 +35,7 @@ def qkv_proj(x: torch.Tensor, w_qkv: torch.Tensor, split_sizes: Sequence[int],
     """
     if sum(split_sizes) != w_qkv.shape[0]:
         raise ValueError(f"split sizes {tuple(split_sizes)} do not add up to the {w_qkv.shape[0]} rows of w_qkv")
-    return torch.ops.optiq.qkv_proj(x, w_qkv, bias).split(list(split_sizes), dim=-1)
+    return torch.ops.optiq.qkv_proj(x, w_qkv, arrival_counters(x.device), bias).split(list(split_sizes), dim=-1)
 
 
 def qkv_proj_reference(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from optiq.fusions import linear as linear_module
-from optiq.fusions.linear import (DECODE_ROWS, GROUPED_PROJECTIONS, MAX_BLOCK_M, PROJECTIONS, benchmark_case,
-                                 grouped_linear, grouped_linear_reference, linear)
+from optiq.fusions.linear import (DECODE_ROWS, GROUPED_PROJECTIONS, MAX_BLOCK_M, PROJECTIONS, arrival_counters,
+                                 benchmark_case, grouped_linear, grouped_linear_reference, linear)
 from kernel_testing import OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -68,12 +68,48 @@ def test_k_tiles_keep_every_program_resident(request, monkeypatch):
     assert qkv["BLOCK_K"] == 128
     assert 3 * qkv["num_stages"] * (16 + qkv["BLOCK_N"]) * qkv["BLOCK_K"] * 2 <= 228 * 1024
     assert linear_module.tile_config(8 * 1024, 4096, cuda_like)["BLOCK_K"] == 128
-    assert linear_module.tile_config(3072, 8192, cuda_like)["BLOCK_K"] == 512
+    assert linear_module.tile_config(4096, 14336, cuda_like)["BLOCK_K"] == 512
     assert linear_module.tile_config(128256, 2048, cuda_like)["BLOCK_K"] == 256
     monkeypatch.setattr(linear_module, "multiprocessor_count", lambda device: 4)
     monkeypatch.setattr(linear_module, "shared_memory_per_multiprocessor", lambda device: 228 * 1024)
     assert linear_module.tile_config(300, 600, torch.device(SMALL_DEVICE))["BLOCK_K"] == 128
     check(*make_inputs(seed_of(request), (1,), 600, 300, torch.bfloat16, SMALL_DEVICE, bias=False))
+
+
+@pytest.mark.parametrize("rows", [1, 5, DECODE_ROWS])
+@pytest.mark.parametrize("extras", ["none", "bias", "residual"])
+def test_split_k_sums_every_slice_once(request, poisoned_empty, monkeypatch, rows, extras):
+    """K cut into slices whose partial sums the last program of the output tile adds up (one 32-column tile for 4
+    SMs, four slices asked, which whole 256-wide K tiles make three: 256, 256 and 88): the float64 product, bias and
+    residual added once, the arrival counters left at zero for the next launch, and the same bits at every call
+    whichever program arrives last."""
+    monkeypatch.setattr(linear_module, "KSPLIT_MIN", 128)
+    assert linear_module.tile_config(20, 600, torch.device(SMALL_DEVICE), rows)["SPLITS"] == 3
+    x, weight, bias = make_inputs(seed_of(request), (rows,), 600, 20, torch.float32, SMALL_DEVICE, extras == "bias")
+    residual = torch.randn(rows, 20, generator=torch.Generator().manual_seed(rows)).to(SMALL_DEVICE)
+    residual = residual if extras == "residual" else None
+    got = linear(x, weight, bias, residual)
+    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    want = want if residual is None else want + residual.double()
+    torch.testing.assert_close(got.double(), want, rtol=TOLERANCES[torch.float32], atol=TOLERANCES[torch.float32])
+    assert not arrival_counters(x.device).any()
+    assert torch.equal(linear(x, weight, bias, residual), got)
+
+
+def test_split_count_fills_idle_sms_only(monkeypatch):
+    """On 132 SMs: qwen3-0.6b's o_proj and down_proj (1024 columns) and Gemma-3-1B's down_proj (1152) are cut in K into
+    32-column tiles until there is about a program an SM; a projection whose tiles fill two thirds of the SMs or more
+    (Phi-3's o_proj, 96 tiles; Llama-3.1-8B's down_proj; an LM head) is not, nor a K too short for two slices."""
+    monkeypatch.setattr(linear_module, "multiprocessor_count", lambda device: 132)
+    cuda_like = torch.device("cpu")
+    qwen_o_proj = linear_module.tile_config(1024, 2048, cuda_like)
+    assert (qwen_o_proj["BLOCK_N"], qwen_o_proj["SPLITS"]) == (32, 4)  # five slices asked, four of whole 128-wide tiles
+    assert linear_module.tile_config(1024, 3072, cuda_like)["SPLITS"] == 5
+    assert linear_module.tile_config(1152, 6912, cuda_like, rows=16)["SPLITS"] == 4
+    assert linear_module.tile_config(3072, 3072, cuda_like)["SPLITS"] == 1
+    assert linear_module.tile_config(4096, 14336, cuda_like)["SPLITS"] == 1
+    assert linear_module.tile_config(128256, 2048, cuda_like)["SPLITS"] == 1
+    assert linear_module.tile_config(1024, 256, cuda_like)["SPLITS"] == 1
 
 
 def test_the_comparison_can_fail(request):
@@ -145,9 +181,10 @@ def test_grouped_wrong_shapes_are_refused():
 
 def test_custom_op_registration(request):
     x, weight, bias = make_inputs(seed_of(request), (2,), 64, 32, torch.float32, SMALL_DEVICE, bias=True)
-    torch.library.opcheck(torch.ops.optiq.linear.default, (x, weight, bias), **OPCHECKS)
+    torch.library.opcheck(torch.ops.optiq.linear.default, (x, weight, arrival_counters(x.device), bias), **OPCHECKS)
     grouped = x.view(2, 2, 32)  # two groups of 32 through [2 x 16, 32]
-    torch.library.opcheck(torch.ops.optiq.linear.default, (grouped, weight[:, :32], None, None, 2), **OPCHECKS)
+    torch.library.opcheck(torch.ops.optiq.linear.default,
+                          (grouped, weight[:, :32], arrival_counters(grouped.device), None, None, 2), **OPCHECKS)
 
 
 @needs_cuda

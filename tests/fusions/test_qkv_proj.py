@@ -6,6 +6,7 @@ The op is one cuBLAS/CPU GEMM over the concatenated weight (no Triton kernel), s
 import pytest
 import torch
 
+from optiq.fusions.linear import arrival_counters
 from optiq.fusions.qkv_proj import benchmark_case, concat_qkv_weights, qkv_proj, qkv_proj_reference
 from kernel_testing import CUDA, OPCHECKS, assert_graph_replay_and_compile, needs_cuda
 
@@ -66,8 +67,8 @@ def test_wrong_inputs_fail_cpu():
 def test_custom_op_registration():
     device = "cuda" if CUDA else "cpu"
     x, weights, biases = make_inputs(50, (2,), 32, (16, 8, 8), torch.float32, device, with_bias=True)
-    torch.library.opcheck(torch.ops.optiq.qkv_proj.default, (x, concat_qkv_weights(*weights), torch.cat(biases)),
-                          **OPCHECKS)
+    torch.library.opcheck(torch.ops.optiq.qkv_proj.default,
+                          (x, concat_qkv_weights(*weights), arrival_counters(x.device), torch.cat(biases)), **OPCHECKS)
 
 
 PRESETS = {  # name: (hidden, q heads, kv heads, head_dim)
