@@ -6,7 +6,8 @@ CPU cases run the kernel under the Triton interpreter at small shapes; CUDA case
 import pytest
 import torch
 
-from optiq.fusions.rope import benchmark_case, rope, rope_reference, trailing_rope, trailing_rope_reference
+from optiq.fusions.rope import (benchmark_case, heads_per_program, rope, rope_reference, trailing_rope,
+                               trailing_rope_reference)
 from kernel_testing import CUDA, OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda
 
 # The interpreter rounds to bf16 by truncation, and rope rounds to the model dtype several times, as HF does.
@@ -86,6 +87,16 @@ def test_odd_head_dim_decode_cpu():
     """head_dim 20: each half (10) pads to a 16-wide block, so every load and store is masked."""
     case = Case(seed=20, batch=2, heads_q=6, heads_kv=3, seq=1, head_dim=20, dtype=torch.float32, device="cpu",
                 qk_norm=True, positions=[4, 0], cache_len=5)
+    expected = case.reference()
+    assert_matches(case.run(), expected, torch.float32)
+
+
+def test_heads_in_blocks_cpu():
+    """head_dim 256: four heads a program, so q's 10 heads are three blocks (the last of two) and k's 3 one block
+    with a masked fourth; each head normed, rotated and cached as HF does it."""
+    assert heads_per_program(10, 3, 128) == 4
+    case = Case(seed=25, batch=2, heads_q=10, heads_kv=3, seq=1, head_dim=256, dtype=torch.float32, device="cpu",
+                qk_norm=True, positions=[3, 1], cache_len=5)
     expected = case.reference()
     assert_matches(case.run(), expected, torch.float32)
 
