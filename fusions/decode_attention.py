@@ -341,22 +341,22 @@ ATTENTION_SHAPES = {  # (query heads, kv heads, head_dim) of the presets' decode
 }
 
 
-def benchmark_case(rows: int, dtype: torch.dtype, device) -> dict:
-    """The presets' decode attention at context 1024 in a 1024-long static cache, and DeepSeek-V4-Flash's over the
-    keys its static cache gathers."""
-    cases = {f"decode_attention {label}": _attention_case(rows, *shape, dtype, device)
+def benchmark_case(rows: int, dtype: torch.dtype, device, context: int = 1024) -> dict:
+    """The presets' decode attention at ``context`` filled positions of a 1024-long static cache, and
+    DeepSeek-V4-Flash's over the keys its static cache gathers."""
+    cases = {f"decode_attention {label}": _attention_case(rows, *shape, dtype, device, context)
              for label, shape in ATTENTION_SHAPES.items()}
     return {**cases, "decode_attention deepseek-v4-flash": _gathered_case(rows, dtype, device)}
 
 
 def _attention_case(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    device) -> dict:
+                    device, context: int) -> dict:
     max_len = 1024
     generator = torch.Generator(device=device).manual_seed(rows)
     q = torch.randn(rows, num_q_heads, 1, head_dim, device=device, dtype=dtype, generator=generator)
     k_cache = torch.randn(rows, num_kv_heads, max_len, head_dim, device=device, dtype=dtype, generator=generator)
     v_cache = torch.randn(rows, num_kv_heads, max_len, head_dim, device=device, dtype=dtype, generator=generator)
-    lengths = torch.full((rows,), max_len, device=device, dtype=torch.int64)
+    lengths = torch.full((rows,), context, device=device, dtype=torch.int64)
     scale = head_dim ** -0.5
     # HF builds the mask once per step for all layers, so it stays out of the timed region
     mask = (torch.arange(max_len, device=device)[None, :] < lengths[:, None])[:, None, None, :]
@@ -368,12 +368,12 @@ def _attention_case(rows: int, num_q_heads: int, num_kv_heads: int, head_dim: in
         return out.transpose(1, 2).contiguous()
 
     element = q.element_size()
-    kv_bytes = 2 * rows * num_kv_heads * max_len * head_dim * element
+    kv_bytes = 2 * rows * num_kv_heads * context * head_dim * element
     return {
         "fused": lambda: decode_attention(q, k_cache, v_cache, lengths, scale),
         "eager": eager,
         "bytes": kv_bytes + 2 * q.numel() * element + lengths.numel() * lengths.element_size(),
-        "flops": 4 * rows * num_q_heads * max_len * head_dim,
+        "flops": 4 * rows * num_q_heads * context * head_dim,
     }
 
 

@@ -10,7 +10,8 @@
 #                  sets the concurrencies, 1,16,64 by default; PEER_BUDGET the peers' warm-up budget, 900 s)
 #   bench:F[,F]    scripts/bench_fusions.py for those fusions (e.g. bench:moe_experts,mla_decode) into $OUT
 #   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear, decode_attention) under fixed tile configs
-#                  against its heuristic, at TILES_ROWS rows (default 1,16,64)
+#                  against its heuristic, at TILES_ROWS rows (default 1,16,64), the cases TILES_CASES names (default
+#                  all; TILES_CONTEXT sets decode_attention's filled positions), into tiles_F$TILES_TAG.json
 #   gpu-tests:F[,F]  the GPU tests of those fusions only
 #   pytest:T[,T]   those test files (paths under tests/), GPU tests included
 #   verify:MODEL   optiq recipes verify --mutants --model MODEL at W1's gate (C=${VERIFY_C:-1,16,64}, prompt 512,
@@ -65,8 +66,8 @@ for stage in "$@"; do
              tests/test_validation.py::test_graph_mode_gate_checks_the_captured_patched_model 2>&1 | tee -a $OUT/log.txt ;;
     apply:*) timeout "$(limit "$STAGE_S")" python3 -m optiq apply-fusion --model "${stage#apply:}" --recipes auto \
                ${COMPARE:+--compare "$COMPARE"} --runs-dir "$OUT/runs/${stage#apply:}-apply" 2>&1 | tee -a $OUT/log.txt ;;
-    tiles:*) timeout "$(limit 300)" python3 scripts/tiles.py "${stage#tiles:}" "$OUT/tiles_${stage#tiles:}.json" \
-               "${TILES_ROWS:-1,16,64}" 2>&1 \
+    tiles:*) timeout "$(limit 300)" python3 scripts/tiles.py "${stage#tiles:}" \
+               "$OUT/tiles_${stage#tiles:}${TILES_TAG:-}.json" "${TILES_ROWS:-1,16,64}" "${TILES_CASES:-}" 2>&1 \
                | tee -a $OUT/log.txt ;;
     gpu-tests:*) names=${stage#gpu-tests:}
                  timeout "$(limit 300)" python3 -m pytest -q -p no:cacheprovider -k "not _cpu" \
