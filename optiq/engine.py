@@ -122,12 +122,14 @@ class DecodeEngine:
     prefill's on. Any other model (recurrent or linear-attention layers, caches of its own) decodes in eager mode
     with the cache it returns from the prefill, which ``seek`` can only rewind to the end of the prefill (from a
     copy kept then); a model that returns no transformers cache recomputes the whole sequence at each step, exact
-    where a state of its own (RWKV's, XLNet's memory) is not. ``forward`` replaces the model's own call in decode
-    steps (e.g. a torch.compile'd forward); prefill always runs the model itself.
+    where a state of its own (RWKV's, XLNet's memory) is not. ``own_cache`` takes that last way for any model: HF's
+    own step, as ``generate`` runs it (DynamicCache, or the architecture's own cache), the baseline a user starts
+    from. ``forward`` replaces the model's own call in decode steps (e.g. a torch.compile'd forward); prefill always
+    runs the model itself.
     """
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, mode: str = "eager",
-                 forward: Callable | None = None, dtype: torch.dtype | None = None):
+                 forward: Callable | None = None, dtype: torch.dtype | None = None, own_cache: bool = False):
         if mode not in ("eager", "graph"):
             raise ValueError(f"mode must be 'eager' or 'graph', not {mode!r}")
         if mode == "graph" and not torch.cuda.is_available():
@@ -136,8 +138,10 @@ class DecodeEngine:
         self.forward = forward or model
         param = next(model.parameters())
         self.device, self.dtype = param.device, dtype or param.dtype
-        family, family_problem = family_cache(model)
-        if family is not None:
+        family, family_problem = (None, "") if own_cache else family_cache(model)
+        if own_cache:
+            self.cache, self.why_not_static = None, "it decodes on its own cache, as asked"
+        elif family is not None:
             # The family's cache allocates everything now, outside inference mode, as StaticCache's layers below.
             self.cache = None if family_problem else family(model, batch, max_len, self.dtype, self.device)
             self.why_not_static = family_problem
@@ -334,9 +338,10 @@ def graph_mode_problem(model: torch.nn.Module) -> str:
 
 
 @contextmanager
-def opened(model: torch.nn.Module, batch: int, max_len: int, mode: str = "eager", forward: Callable | None = None):
+def opened(model: torch.nn.Module, batch: int, max_len: int, mode: str = "eager", forward: Callable | None = None,
+           own_cache: bool = False):
     """A DecodeEngine for the block; on the way out its graph and cache are released for the next one."""
-    engine = DecodeEngine(model, batch, max_len, mode=mode, forward=forward)
+    engine = DecodeEngine(model, batch, max_len, mode=mode, forward=forward, own_cache=own_cache)
     try:
         yield engine
     finally:

@@ -84,6 +84,9 @@ class Row:
         return self.variant.startswith(compile_variant(""))
 
 
+HF_VARIANT = "hf"  # the rows of HF's own step: its own cache (DynamicCache or the architecture's), eager
+
+
 def compile_variant(mode: str) -> str:
     """The variant name of torch.compile's rows in engine ``mode``."""
     return f"compile+{mode}"

@@ -34,11 +34,11 @@ from optiq.gate.mutants import verify
 from optiq.measure import environment
 from optiq.measure.depth import depth_point, full_depth, layer_kinds
 from optiq.measure.roofline import copy_bandwidth
-from optiq.measure.sweep import compiled_forward, free_memory, sweep
+from optiq.measure.sweep import Variant, compiled_forward, free_memory, sweep
 from optiq.models import PUBLISHED, load_model
 from optiq.patching import Patches, apply, broken, unpatch
 from optiq.profiling.capture import profile_step
-from optiq.record import Fusion, FullDepth, RecipeVerdict, Row, RunRecord, Workload, compile_variant
+from optiq.record import HF_VARIANT, Fusion, FullDepth, RecipeVerdict, Row, RunRecord, Workload, compile_variant
 from optiq.traces.attribution import Attribution, attribute, weighted_kernels
 
 PROFILED_STEPS = 2  # decode steps profiled per concurrency for the proposals and the report
@@ -54,7 +54,8 @@ class Job:
     mode: str  # the engine's: eager or graph
     concurrencies: list[int]
     workload: Workload
-    peers: tuple[str, ...] = ()  # measured beside the model: eager (HF's step from Python), compile (torch.compile)
+    peers: tuple[str, ...] = ()  # measured beside the model: hf (HF's own step on its own cache), eager (HF's step
+    # from Python on the engine's static cache), compile (torch.compile)
     requested: str | None = None  # recipes: "auto", names comma-separated, or None to measure only
     catalog: dict[str, Recipe] = field(default_factory=dict)
     recipes_dirs: tuple[str, ...] = ()  # where the catalog's user recipes came from (the compile workers load it)
@@ -126,14 +127,16 @@ def run(job: Job, record: RunRecord, run_dir: Path, hooks: Hooks = Hooks()) -> N
             hooks.note(record.mode_note)
     bandwidth = copy_bandwidth(job.device)
     record.bandwidth_gb_s = bandwidth / 1e9
-    variants = [("eager", "eager", None)] if "eager" in job.peers and job.mode != "eager" else []
-    variants.append((job.mode, job.mode, None))
+    variants = [Variant(HF_VARIANT, "eager", own_cache=True)] if "hf" in job.peers else []
+    if "eager" in job.peers and job.mode != "eager":
+        variants.append(Variant("eager", "eager"))
+    variants.append(Variant(job.mode, job.mode))
     if "compile" in job.peers:
-        variants.append((compile_variant(job.mode), job.mode, compiled_forward(model)))
+        variants.append(Variant(compile_variant(job.mode), job.mode, compiled_forward(model)))
     if (published := PUBLISHED.get(job.model)) is not None:
         with hooks.status(f"counting the floor of {published.name} at full depth"):
             record.full_depth = full_depth(published, model, job.concurrencies, job.workload, bandwidth)
-        record.full_depth.not_profiled = [name for name, _, _ in variants if name != job.mode]
+        record.full_depth.not_profiled = [variant.name for variant in variants if variant.name != job.mode]
         job = replace(job, profile=True)  # the whole model is extrapolated from the profiles of the preset's layers
     hooks.save(record)
     _measure(job, model, variants, bandwidth, record.before, record, hooks, job.model)

@@ -50,6 +50,16 @@ def test_bench_json_has_positive_throughput_per_concurrency(tmp_path):
     assert (run_dir / "results.csv").read_text().count("\n") == 3
 
 
+def test_hf_peer_is_hfs_own_step_beside_the_engine(tmp_path):
+    """--compare hf adds HF's own step (its own cache, eager) as rows of their own, first, beside the engine's."""
+    result = run_cli("bench", *FAST, "--concurrency", "1,2", "--compare", "hf", "--json", "--runs-dir", str(tmp_path))
+    assert result.exit_code == 0, result.stderr
+    measured = rows(json.loads(result.stdout))
+    assert [(row["variant"], row["mode"], row["concurrency"]) for row in measured] == [
+        ("hf", "eager", 1), ("hf", "eager", 2), ("eager", "eager", 1), ("eager", "eager", 2)]
+    assert all(row["status"] == "ok" and row["tok_per_s"] > 0 for row in measured)
+
+
 def test_two_runs_never_share_a_directory(tmp_path):
     runs = tmp_path / "runs"
     first = json.loads(run_cli("bench", *FAST, "--concurrency", "1", "--json", "--runs-dir", str(runs)).stdout)
@@ -175,7 +185,7 @@ def test_a_recipe_the_gate_rejects_is_not_measured_and_exits_3(tmp_path):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--recipes", "warp_drive"], "unknown recipe(s) warp_drive"),
-    (["--compare", "eager,vllm"], "vllm: choose from eager, compile"),
+    (["--compare", "eager,vllm"], "vllm: choose from hf, eager, compile"),
 ])
 def test_bad_recipes_or_peers_fail_before_any_work(tmp_path, args, message):
     result = run_cli("bench", *FAST, *args, "--runs-dir", str(tmp_path))

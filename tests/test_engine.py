@@ -84,6 +84,25 @@ def test_own_cache_rewinds_only_to_the_prefill():
         engine.seek(5)
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny:deepseek_v4"])
+def test_own_cache_is_hfs_own_step_and_computes_what_the_static_one_does(preset):
+    """``own_cache`` decodes on the cache the model makes (DynamicCache for Llama, DeepSeek-V4's own compressor
+    caches, where optiq has a static cache of the family), and its logits are the static engine's."""
+    model = load_model(preset, torch.float32, torch.device("cpu"))
+    static, own = DecodeEngine(model, 2, max_len=48), DecodeEngine(model, 2, max_len=48, own_cache=True)
+    assert static.static and not own.static and own.cache is None
+    prompt = _prompt(model, 2, 21)
+    static.prefill(prompt)
+    own.prefill(prompt)
+    assert type(own.cache).__module__.startswith("transformers") and own.cache is not static.cache
+    for _ in range(5):
+        torch.testing.assert_close(own.step(), static.step(), rtol=1e-4, atol=1e-4)
+        assert torch.equal(own.tokens, static.tokens)
+    with pytest.raises(OptiqError, match="cannot be rewound"):
+        own.seek(22)
+
+
 def test_graph_mode_problem_names_the_cache_a_graph_cannot_hold():
     """A model decoding with its own cache gets graph mode's one-line reason without a capture being tried."""
     model = load_model("tiny:mamba", torch.float32, torch.device("cpu"))

@@ -15,9 +15,10 @@ BENCH_HELP = """Decode throughput against concurrency, with each point's bandwid
 \b
 Presets: """ + ", ".join(PRESET_NAMES) + """.
 
-One command measures a whole row of the comparison a user makes: with --compare eager,compile and --recipes auto, HF
-eager, the engine's mode, torch.compile and optiq's fused model, in one process and one run directory, and the time
-to optimized (patch + gate + capture) against torch.compile's warm-up. A concurrency that runs out of memory is
+One command measures a whole row of the comparison a user makes: with --compare hf,eager,compile and --recipes auto,
+HF's own step (its own cache, as generate runs it), HF eager on the engine's static cache, the engine's mode,
+torch.compile and optiq's fused model, in one process and one run directory, and the time to optimized (patch + gate
++ capture) against torch.compile's warm-up. A concurrency that runs out of memory is
 recorded as such and the sweep goes on. Results are written to a new run directory (results.json, results.csv) after
 every point; Ctrl-C keeps what was measured and marks it incomplete. Exit code 3 when the gate rejects every recipe,
 4 when no recipe applies to the model. On a CPU the numbers say nothing about a GPU (and the fused model's kernels
@@ -32,9 +33,11 @@ kind and the whole model's step extrapolated from them, beside the whole model's
 @click.command(help=BENCH_HELP)
 @model_options
 @workload_options()
-@measurement_options("Also measure peers the same way, comma-separated: eager = HF's step launched op by op from "
-                     "Python (no graph), compile = torch.compile of the forward (its warm-up shown).",
-                     peers=("eager", "compile"))
+@measurement_options("Also measure peers the same way, comma-separated: hf = HF's own step, as generate runs it "
+                     "(the model's own cache, DynamicCache or its architecture's, op by op from Python), eager = HF's "
+                     "step launched op by op on the engine's static cache (no graph), compile = torch.compile of the "
+                     "forward (its warm-up shown).",
+                     peers=("hf", "eager", "compile"))
 @click.option("--recipes", "requested", default=None,
               help="Also measure optiq: the model fused with these recipes (auto = the proposals of a fresh profile, "
                    "or names, comma-separated), each through the validation gate as in apply-fusion.")

@@ -15,7 +15,9 @@ import gc
 import signal
 import statistics
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +35,16 @@ def check_workload(workload: Workload, steps_flag: str = "--new-tokens") -> None
     if workload.prompt_len + workload.new_tokens + WARMUP_STEPS > workload.max_len:
         raise OptiqError(f"--max-len {workload.max_len} is too short for --prompt-len {workload.prompt_len} + "
                          f"{steps_flag} {workload.new_tokens} + {WARMUP_STEPS} warm-up steps")
+
+
+class Variant(NamedTuple):
+    """One way of running the model that a sweep measures: the engine's ``mode`` (eager or graph), a ``forward``
+    replacing the model's call in decode steps (torch.compile's), and whether it decodes on the cache the model makes
+    itself (``own_cache``: HF's own step) rather than a static one."""
+    name: str
+    mode: str
+    forward: Callable | None = None
+    own_cache: bool = False
 
 
 def compiled_forward(model: torch.nn.Module):
@@ -81,15 +93,17 @@ def free_memory() -> None:
 
 
 def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: str, bandwidth: float,
-                  forward=None, variant: str | None = None, budget_s: float | None = None) -> Row:
+                  forward=None, variant: str | None = None, budget_s: float | None = None,
+                  own_cache: bool = False) -> Row:
     """Measure decode throughput of ``model`` at concurrency ``batch``; returns one row of the sweep. On the CPU it
     is timed on ``timing.CPU_THREADS`` threads, each repeat its median step, and marked a smoke number. With
-    ``budget_s``, ``OverBudget`` is raised if the engine's set-up, the prefill and the warm-up take longer."""
+    ``budget_s``, ``OverBudget`` is raised if the engine's set-up, the prefill and the warm-up take longer; with
+    ``own_cache`` the model decodes on the cache it makes itself (``DecodeEngine``)."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with (fixed_threads(device) as threads, warm_up_within(budget_s) as warmed_up,
-          opened(model, batch, workload.max_len, mode, forward) as engine):
+          opened(model, batch, workload.max_len, mode, forward, own_cache) as engine):
         generator = torch.Generator().manual_seed(batch)
         prompt = torch.randint(model.config.get_text_config(decoder=True).vocab_size, (batch, workload.prompt_len),
                                generator=generator)
@@ -124,18 +138,18 @@ def measure_point(model: torch.nn.Module, batch: int, workload: Workload, mode: 
     )
 
 
-def sweep(model: torch.nn.Module, concurrencies: list[int], workload: Workload, variants: list[tuple[str, str, object]],
+def sweep(model: torch.nn.Module, concurrencies: list[int], workload: Workload, variants: list[Variant],
           bandwidth: float, on_row=None, on_start=None, peer_budget_s: float | None = None) -> list[Row]:
     """Measure every (variant, concurrency); a point that runs out of memory, or where the peer (a variant with its own
     ``forward``, e.g. torch.compile) fails, is recorded and the sweep goes on. A peer whose warm-up runs past
     ``peer_budget_s`` gets a failed row saying so, and so do its later concurrencies, not tried: each would compile
     again, about as long.
 
-    ``variants`` holds ``(name, mode, forward)`` triples; ``on_row(row)`` runs after each point (to save results as
-    they come), ``on_start(variant, concurrency)`` before each (for progress).
+    ``variants`` holds ``Variant``s (or their leading fields as a tuple); ``on_row(row)`` runs after each point (to
+    save results as they come), ``on_start(variant, concurrency)`` before each (for progress).
     """
     rows: list[Row] = []
-    for name, mode, forward in variants:
+    for name, mode, forward, own_cache in (Variant(*variant) for variant in variants):
         over_budget = ""
         for batch in concurrencies:
             if on_start:
@@ -145,13 +159,13 @@ def sweep(model: torch.nn.Module, concurrencies: list[int], workload: Workload, 
                     row = Row(name, mode, batch, "failed", error=f"not tried: {over_budget}")
                 else:
                     row = measure_point(model, batch, workload, mode, bandwidth, forward=forward, variant=name,
-                                        budget_s=peer_budget_s if forward is not None else None)
+                                        budget_s=peer_budget_s if forward is not None else None, own_cache=own_cache)
             except OverBudget:
                 torch._dynamo.reset()  # what it compiled so far, and its half-traced frame, go with it
                 over_budget = f"its warm-up at C={batch} did not finish within {peer_budget_s:g} s (--peer-budget)"
                 row = Row(name, mode, batch, "failed", error=f"over budget: {over_budget}")
             except Exception as exc:  # noqa: BLE001 - out-of-memory and a failing peer are recorded; the rest raises
-                oom, peer_failed = is_out_of_memory(exc), forward is not None  # the peer's failure is a result
+                oom, peer_failed = is_out_of_memory(exc), forward is not None or own_cache  # a peer's is a result
                 if not (oom or peer_failed):
                     raise
                 first_line = next(iter(str(exc).splitlines()), "")
