@@ -65,14 +65,13 @@ def _linear_kernel(
     if SPLITS > 1:
         tile = group * tl.num_programs(0) + tl.program_id(0)
         partials = partial_ptr + ((tile * SPLITS * BLOCK_M + rows[:, None]) * BLOCK_N + offs_n[None, :])
-        row_mask = (rows[:, None] < M) & (offs_n[None, :] < BLOCK_N)
-        tl.store(partials + split * BLOCK_M * BLOCK_N, acc, mask=row_mask)
+        tl.store(partials + split * BLOCK_M * BLOCK_N, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the arrival that publishes them
         last = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel") == SPLITS - 1
         if last:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for other in range(SPLITS):  # from L2: written by other SMs during this kernel
-                acc += tl.load(partials + other * BLOCK_M * BLOCK_N, mask=row_mask, other=0.0, cache_modifier=".cg")
+                acc += tl.load(partials + other * BLOCK_M * BLOCK_N, mask=mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(arrivals_ptr + tile, 0)
     if last:
         if HAS_BIAS:
