@@ -121,8 +121,8 @@ def _rope_kernel(
 
 def heads_per_program(num_q_heads: int, num_kv_heads: int, half_block: int) -> int:
     """Heads a program rotates: up to 512 elements of each half (8 heads of 128 or 96), so that a batch of 64 tokens is
-    a few hundred programs rather than one per head (4,096 one-warp programs for Phi-3's 64 heads took ~5.7 us on
-    the H200, several times their bytes' worth), but no more heads than q or k has."""
+    a few hundred programs rather than one per head (4,096 one-warp programs for Phi-3's 64 heads took several times
+    their bytes' worth: BENCHMARKS.md, session 21), but no more heads than q or k has."""
     return min(triton.next_power_of_2(max(num_q_heads, num_kv_heads)), max(1, 512 // half_block))
 
 
