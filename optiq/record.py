@@ -54,6 +54,9 @@ class Workload:
         return self.prompt_len + (self.new_tokens + 1) / 2
 
 
+HF_VARIANT = "hf"  # the rows of HF's own step: its own cache (DynamicCache or the architecture's), eager
+
+
 @dataclass
 class Row:
     """One measured point: a variant (the engine's mode, a peer such as ``compile+graph``, or ``optiq+graph``) at one
@@ -83,8 +86,10 @@ class Row:
         """Whether this is a row of torch.compile, the peer every ratio is taken against."""
         return self.variant.startswith(compile_variant(""))
 
-
-HF_VARIANT = "hf"  # the rows of HF's own step: its own cache (DynamicCache or the architecture's), eager
+    @property
+    def is_hf(self) -> bool:
+        """Whether this is a row of HF's own step, the baseline a user starts from."""
+        return self.variant == HF_VARIANT
 
 
 def compile_variant(mode: str) -> str:

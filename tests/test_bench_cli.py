@@ -60,6 +60,18 @@ def test_hf_peer_is_hfs_own_step_beside_the_engine(tmp_path):
     assert all(row["status"] == "ok" and row["tok_per_s"] > 0 for row in measured)
 
 
+def test_the_table_gives_each_point_over_hfs_own_step_and_over_compile():
+    """With hf and compile among the variants each ratio column divides by its own baseline at the same C."""
+    from optiq.commands.views import results_table
+    point = dict(ms_per_step=1.0, floor_ms_per_step=0.5, pct_of_floor=50.0, prefill_ms=1.0, warmup_s=0.1)
+    points = [record.Row(variant, "graph", 16, "ok", tok_per_s=tok_per_s, **point)
+              for variant, tok_per_s in (("hf", 100.0), ("compile+graph", 400.0), ("optiq+graph", 1000.0))]
+    table = results_table(points, "t")
+    ratios = [table.columns.index("× hf"), table.columns.index("× compile")]
+    assert [[row[i].plain for i in ratios] for row in table.rows] == [["1.00", "0.25"], ["4.00", "1.00"],
+                                                                    ["10.00", "2.50"]]
+
+
 def test_two_runs_never_share_a_directory(tmp_path):
     runs = tmp_path / "runs"
     first = json.loads(run_cli("bench", *FAST, "--concurrency", "1", "--json", "--runs-dir", str(runs)).stdout)

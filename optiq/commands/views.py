@@ -145,27 +145,30 @@ def headline_view(record: RunRecord, wide: bool = False) -> Fitted:
 
 
 def results_table(rows: list[Row], title: str, wide: bool = False, interpreted: Collection[str] = ()) -> Fitted:
-    """One line per point; with torch.compile among the variants, each point's throughput over compile's too (n/m
-    for the ``interpreted`` variants: their kernels ran under Triton's interpreter)."""
-    compiled = {r.concurrency: r.tok_per_s for r in rows if r.is_compile and r.status == "ok"}
-    columns = ["variant", "C", "tok/s", *(["× compile"] if compiled else []), "ms/step", "floor ms", "% of floor",
-               "prefill ms", "warm-up s", "peak GB"]
+    """One line per point; with HF's own step or torch.compile among the variants, each point's throughput over
+    theirs too (n/m for the ``interpreted`` variants: their kernels ran under Triton's interpreter)."""
+    baselines = {label: {r.concurrency: r.tok_per_s for r in rows if r.status == "ok" and of_it(r)}
+                 for label, of_it in (("× hf", lambda r: r.is_hf), ("× compile", lambda r: r.is_compile))}
+    baselines = {label: by_concurrency for label, by_concurrency in baselines.items() if by_concurrency}
+    columns = ["variant", "C", "tok/s", *baselines, "ms/step", "floor ms", "% of floor", "prefill ms", "warm-up s",
+               "peak GB"]
     cells = []
     for r in rows:
         if r.status != "ok":
             cells.append([visible(r.variant), str(r.concurrency), Text(visible(r.status), style="red"),
                           *[""] * (len(columns) - 3)])
             continue
-        ratio = NOT_MEANINGFUL if r.variant in interpreted else (
-            f"{r.tok_per_s / compiled[r.concurrency]:.2f}" if r.concurrency in compiled else "")
+        ratios = [NOT_MEANINGFUL if r.variant in interpreted else (
+            f"{r.tok_per_s / by_concurrency[r.concurrency]:.2f}" if r.concurrency in by_concurrency else "")
+            for by_concurrency in baselines.values()]
         peak = "" if r.peak_mem_gb is None else f"{r.peak_mem_gb:.1f}"
-        cells.append([visible(r.variant), str(r.concurrency), f"{r.tok_per_s:,.1f}", *([ratio] if compiled else []),
+        cells.append([visible(r.variant), str(r.concurrency), f"{r.tok_per_s:,.1f}", *ratios,
                       f"{r.ms_per_step:.3f}", f"{r.floor_ms_per_step:.3f}", f"{r.pct_of_floor:.1f}",
                       f"{r.prefill_ms:.1f}", f"{r.warmup_s:.2f}", peak])
     # A point without a number says why under the table (a failing peer's error, one over its warm-up budget)
     notes = [f"{visible(r.variant)} C={r.concurrency}: {visible(r.error)}"
              for r in rows if r.status != "ok" and r.error]
-    if interpreted and compiled:
+    if interpreted and baselines:
         notes.append(f"{NOT_MEANINGFUL} = not meaningful: kernels under Triton's interpreter")
     return Fitted(title, columns, cells, numeric=columns[1:],
                   optional=("peak GB", "prefill ms", "warm-up s", "floor ms"), wide=wide,
