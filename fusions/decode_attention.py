@@ -5,7 +5,8 @@ out as HF transformers' StaticCache keeps it. Each program reads one block of ON
 all of that head's query heads together, so no repeat_kv copy exists and each KV byte is read once per step.
 The KV axis is cut into splits (count chosen from shapes only, so the op never syncs with the host and can be
 captured in a CUDA graph); each split writes a partial output and its log-sum-exp, and a second kernel merges
-the splits with those weights.
+the splits with those weights. Where the batch alone fills the GPU (one split) the split kernel writes the output
+itself, and there is no second kernel.
 
 Layouts:
   q        [B, Hq, 1, D]      (HF's query_states after transpose(1, 2); any strides with a unit last stride)
@@ -87,7 +88,7 @@ def split_result(running_max, running_sum, acc):
 
 @triton.jit
 def _decode_attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, lengths_ptr, starts_ptr, visible_ptr, partial_out_ptr, partial_lse_ptr,
+    q_ptr, k_ptr, v_ptr, lengths_ptr, starts_ptr, visible_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr,
     scale_log2e, softcap_log2e,
     q_stride_b, q_stride_h,
     k_stride_b, k_stride_h, k_stride_n,
@@ -95,12 +96,15 @@ def _decode_attention_split_kernel(
     num_kv_heads, group_size, head_blocks, head_dim, split_len, num_splits,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_VISIBLE: tl.constexpr, SHARED_KV: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_VISIBLE: tl.constexpr, SHARED_KV: tl.constexpr, HAS_SINKS: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One (sequence, kv head, block of its query heads, split): online softmax over the split's valid positions.
 
     Writes the split's normalised output and its log2-sum-exp2 (-inf when the split holds no position the
-    sequence sees: the combine then gives it zero weight).
+    sequence sees: the combine then gives it zero weight). With ONE_SPLIT the split is the whole softmax: the
+    output itself is written (into ``partial_out_ptr``, in the output's dtype, the sinks' share taken out here), and
+    no combine runs.
     """
     wait_for_predecessor(USE_PDL)
     pid_bh = tl.program_id(0)
@@ -153,7 +157,13 @@ def _decode_attention_split_kernel(
 
     out, lse = split_result(running_max, running_sum, acc)
     partial_rows = (batch * num_kv_heads * group_size + q_heads) * num_splits + split
-    tl.store(partial_lse_ptr + partial_rows, lse, mask=row_mask)
+    if ONE_SPLIT:
+        if HAS_SINKS:  # a sink's exp2 joins the denominator: out * sum / (sum + sink) (0 for a sequence seeing nothing)
+            sink = tl.load(sinks_ptr + q_heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            out = out / (1.0 + tl.exp2(sink - lse))[:, None]
+        out = out.to(partial_out_ptr.dtype.element_ty)
+    else:
+        tl.store(partial_lse_ptr + partial_rows, lse, mask=row_mask)
     tl.store(
         partial_out_ptr + partial_rows[:, None] * head_dim + cols[None, :], out,
         mask=row_mask[:, None] & col_mask[None, :],
@@ -256,14 +266,17 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     split_len, splits = split_layout(max_len, block_n, num_splits or config["SPLITS"])
     block_d = max(16, triton.next_power_of_2(head_dim))
 
-    partial_out = torch.empty((batch, num_q_heads, splits, head_dim), device=q.device, dtype=torch.float32)
-    partial_lse = torch.empty((batch, num_q_heads, splits), device=q.device, dtype=torch.float32)
     out = torch.empty((batch, 1, num_q_heads, head_dim), device=q.device, dtype=q.dtype)
+    one_split = splits == 1  # the split kernel writes the output itself: no partials, no combine
+    partial_out = out if one_split else torch.empty((batch, num_q_heads, splits, head_dim), device=q.device,
+                                                    dtype=torch.float32)
+    partial_lse = lengths if one_split else torch.empty((batch, num_q_heads, splits), device=q.device,
+                                                        dtype=torch.float32)
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     torch.library.wrap_triton(_decode_attention_split_kernel)[(batch * num_kv_heads * head_blocks, splits)](
         q, k_cache, v_cache, lengths, lengths if starts is None else starts, lengths if visible is None else visible,
-        partial_out, partial_lse,
+        lengths if sinks is None else sinks, partial_out, partial_lse,
         scale * LOG2E, softcap * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -272,8 +285,11 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST_DOT=interpreted, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_STARTS=starts is not None, SOFTCAP=softcap > 0, HAS_VISIBLE=visible is not None, SHARED_KV=shared_kv,
+        HAS_SINKS=sinks is not None, ONE_SPLIT=one_split,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **launch_options(q),
     )
+    if one_split:
+        return out
     torch.library.wrap_triton(_decode_attention_combine_kernel)[(batch * num_q_heads,)](
         partial_out, partial_lse, partial_lse if sinks is None else sinks, out, head_dim, splits, num_q_heads,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, HAS_SINKS=sinks is not None,
