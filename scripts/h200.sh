@@ -6,7 +6,8 @@
 #                  (C=1,16,64, prompt 512, 128 new tokens, cache 1024, 3 repeats)
 #   profile:MODEL  optiq profile --model MODEL --concurrency 64
 #   row:MODEL      optiq bench --model MODEL --compare $PEERS --recipes auto on workload W1: one row of the issue-6
-#                  table in one run (PEERS defaults to eager,compile; PEERS=compile leaves out HF eager; ROW_C
+#                  table in one run (PEERS defaults to eager,compile; PEERS=compile leaves out HF eager, hf adds
+#                  HF's own step on its own cache; ROW_C
 #                  sets the concurrencies, 1,16,64 by default; PEER_BUDGET the peers' warm-up budget, 900 s)
 #   bench:F[,F]    scripts/bench_fusions.py for those fusions (e.g. bench:moe_experts,mla_decode) into $OUT
 #   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear, decode_attention) under fixed tile configs
