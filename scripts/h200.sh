@@ -7,8 +7,8 @@
 #   profile:MODEL  optiq profile --model MODEL --concurrency 64
 #   row:MODEL      optiq bench --model MODEL --compare $PEERS --recipes auto on workload W1: one row of the issue-6
 #                  table in one run (PEERS defaults to eager,compile; PEERS=compile leaves out HF eager, hf adds
-#                  HF's own step on its own cache; ROW_C
-#                  sets the concurrencies, 1,16,64 by default; PEER_BUDGET the peers' warm-up budget, 900 s)
+#                  HF's own step on its own cache; ROW_C sets the concurrencies, 1,16,64 by default; PEER_BUDGET
+#                  the peers' warm-up budget, 900 s)
 #   bench:F[,F]    scripts/bench_fusions.py for those fusions (e.g. bench:moe_experts,mla_decode) into $OUT
 #   tiles:F        scripts/tiles.py F: fusion F (moe_experts, linear, decode_attention) under fixed tile configs
 #                  against its heuristic, at TILES_ROWS rows (default 1,16,64), the cases TILES_CASES names (default
