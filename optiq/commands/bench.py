@@ -17,9 +17,9 @@ Presets: """ + ", ".join(PRESET_NAMES) + """.
 
 One command measures a whole row of the comparison a user makes: with --compare hf,eager,compile and --recipes auto,
 HF's own step (its own cache, as generate runs it), HF eager on the engine's static cache, the engine's mode,
-torch.compile and optiq's fused model, in one process and one run directory, and the time to optimized (patch + gate
-+ capture) against torch.compile's warm-up. A concurrency that runs out of memory is
-recorded as such and the sweep goes on. Results are written to a new run directory (results.json, results.csv) after
+torch.compile and optiq's fused model, in one process and one run directory, and the time to optimized (patch,
+gate and capture) against torch.compile's warm-up. A concurrency that runs out of memory is recorded as such and the
+sweep goes on. Results are written to a new run directory (results.json, results.csv) after
 every point; Ctrl-C keeps what was measured and marks it incomplete. Exit code 3 when the gate rejects every recipe,
 4 when no recipe applies to the model. On a CPU the numbers say nothing about a GPU (and the fused model's kernels
 run under Triton's interpreter: its ratios are shown as n/m); --json says so in timing_note.
