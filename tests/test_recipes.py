@@ -14,7 +14,7 @@ from optiq.catalog.recipes import load_catalog
 
 BUILTIN = {"decode_attention", "rmsnorm", "add_rmsnorm", "swiglu", "gate_up_swiglu", "qkv_proj", "rope", "greedy_sample",
            "moe_experts", "mla_decode", "moe_router", "precision_flip", "attention_prologue", "decode_linear",
-           "sandwich_norm", "hyper_connection", "grouped_linear", "trailing_rope", "indexer_scores"}
+           "sandwich_norm", "hyper_connection", "grouped_linear", "trailing_rope", "indexer_scores", "compressor_pool"}
 
 
 def test_builtin_catalog_and_fusion_paths_resolve():
@@ -24,7 +24,7 @@ def test_builtin_catalog_and_fusion_paths_resolve():
         module, attribute = recipe.fusion.split(":")
         assert callable(getattr(importlib.import_module(module), attribute)), recipe.name
         home = {"moe_experts": "qwen3_moe", "moe_router": "qwen3_moe", "mla_decode": "deepseek_v2",
-                "precision_flip": "deepseek_v2"}
+                "precision_flip": "deepseek_v2", "compressor_pool": "deepseek_v4"}
         assert recipe.applies_to(home.get(recipe.name, "llama"))
 
 

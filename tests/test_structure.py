@@ -278,12 +278,15 @@ def test_grouped_projections_are_found_by_what_they_compute():
 
 @pytest.mark.parametrize("recipe, wrong_kernels", [
     ("grouped_linear", ("grouped_linear_shifted_blocks", "grouped_linear_as_one_block")),
-    ("indexer_scores", ("indexer_scores_without_relu", "indexer_scores_heads_alike"))])
+    ("indexer_scores", ("indexer_scores_without_relu", "indexer_scores_heads_alike")),
+    ("compressor_pool", ("pool_over_the_features", "pool_without_the_last_slot"))])
 def test_deepseek_v4_recipe_is_kept_and_its_wrong_kernels_rolled_back(tmp_path, recipe, wrong_kernels):
     """On tiny-deepseek-v4 (a prompt of 9: its CSA layer's indexer has two closed windows to score), on both passes of
     the gate with every mutant that applies. Rolled back: a group offset by one and the block-diagonal structure lost
     (grouped_linear); the lossy indexer flip without the ReLU, or weighing every head alike (for indexer_scores, a
-    scale off by 1.6% sits at the lossy floor, two bf16 ulps: the flip's own error on top of it puts it past)."""
+    scale off by 1.6% sits at the lossy floor, two bf16 ulps: the flip's own error on top of it puts it past); a
+    compressor's softmax over the features instead of the window, or a window short of its newest slot
+    (compressor_pool)."""
     model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
     plan = GatePlan((2,), steps=3, prompt_len=9)
     result = assert_kept(model, plan, recipe)

@@ -16,6 +16,7 @@ from optiq.fusions.moe_experts import moe_experts_reference
 from optiq.fusions.moe_router import route_reference
 from optiq.fusions.rmsnorm import rmsnorm_reference
 from optiq.fusions.rope import rope_reference, trailing_rope_reference
+from optiq.fusions.softmax_pool import softmax_pool_reference
 from optiq.fusions.swiglu import swiglu_reference
 from optiq.patching.structure import stream_mixing
 
@@ -195,3 +196,13 @@ def indexer_scores_heads_alike(q, k, weights, scale):
     """A lightning indexer that weighs every head alike, at the heads' mean weight (one weight read per sequence
     instead of one per head)."""
     return indexer_scores_reference(q, k, weights.float().mean(dim=-1, keepdim=True).expand(weights.shape), scale)
+
+
+def pool_over_the_features(values, gates):
+    """A compressor's pooling that takes the softmax along the features instead of the window's slots."""
+    return (values * gates.softmax(dim=2).to(values.dtype)).sum(dim=1)
+
+
+def pool_without_the_last_slot(values, gates):
+    """A compressor's pooling that stops a slot short of the window (the position just written)."""
+    return softmax_pool_reference(values[:, :-1], gates[:, :-1])

@@ -79,6 +79,17 @@ def _output_dtype(norm: torch.nn.Module, width: int, dtype: torch.dtype, device:
     return norm(torch.zeros(1, 1, width, dtype=dtype, device=device)).dtype
 
 
+def pool_window(window_kv: torch.Tensor, window_gate: torch.Tensor) -> torch.Tensor:
+    """A window's compressed entry before its norm, [batch, head_dim]: its slots' kv [batch, slots, head_dim] weighted
+    by the softmax over the slots of their gates (in fp32 or wider, the weights then in kv's dtype, as HF's compressor
+    computes it) and summed. Looked up at each call, so a recipe may replace it (a ``function`` patch of
+    ``optiq.decode_caches.deepseek_v4:pool_window``) and graphs capture the replacement."""
+    # The softmax taken along the last dim of a transposed copy: torch's softmax over a middle dim is a kernel that
+    # spends ~24 us on HCA's [1, 128, 512] at one row.
+    weights = window_gate.transpose(1, 2).softmax(dim=-1, dtype=torch.promote_types(window_gate.dtype, torch.float32))
+    return (window_kv * weights.transpose(1, 2).to(window_kv.dtype)).sum(dim=1)
+
+
 class _Compression:
     """One compressor's state (a layer's, or a CSA indexer's): per-position projections and per-window entries.
 
@@ -137,11 +148,7 @@ class _Compression:
                                                                                                    float("-inf"))
             window_kv = torch.cat([prior_kv, window_kv[..., self.head_dim:]], dim=1)
             window_gate = torch.cat([prior_gate, window_gate[..., self.head_dim:]], dim=1)
-        # The softmax over the window's slots, taken along the last dim of a transposed copy: torch's softmax over
-        # a middle dim is a kernel that spends ~24 us on HCA's [1, 128, 512] at one row.
-        weights = window_gate.transpose(1, 2).softmax(dim=-1, dtype=torch.float32).transpose(1, 2)
-        weights = weights.to(window_kv.dtype)
-        pooled = compressor.kv_norm((window_kv * weights).sum(dim=1))[:, None]  # [batch, 1, head_dim]
+        pooled = compressor.kv_norm(pool_window(window_kv, window_gate))[:, None]  # [batch, 1, head_dim]
         cos, sin = compressor.rotary_emb(pooled, position_ids=start[:, None], layer_type=compressor.rope_layer_type)
         pooled = hf.apply_rotary_pos_emb(pooled.unsqueeze(1), cos, sin).squeeze(1)
         _write(self.entries, self.rows, window, pooled[:, 0])
