@@ -34,7 +34,7 @@ def _softmax_pool_kernel(
                     other=0.0).to(tl.float32)
     gates = tl.where(in_slots, gates, float("-inf"))  # a slot past the window weighs nothing
     exponentials = tl.exp(gates - tl.max(gates, axis=0)[None, :])
-    dtype = values_ptr.dtype.element_ty
+    dtype: tl.constexpr = values_ptr.dtype.element_ty
     weights = (exponentials / tl.sum(exponentials, axis=0)[None, :]).to(dtype).to(tl.float32)
     values = tl.load(values_ptr + row * values_stride_b + offs_s[:, None] * values_stride_s + cols[None, :],
                      mask=mask, other=0.0).to(tl.float32)
