@@ -4,8 +4,9 @@ A compressing attention (DeepSeek-V4's compressors) pools each window of positio
 per position and feature, a softmax over the window's positions, a weighted sum. Eager code runs it as a transposed
 copy, the softmax, a cast of the weights, the product and the sum over the window, five kernels a pooled entry; here
 it is one, each program holding every slot of a block of features. The roundings are eager's: the softmax in fp32,
-the weights and each product rounded to the values' dtype, the sum accumulated in fp32 and rounded once; only the
-order of the sum may differ.
+the weights and each product rounded to the values' dtype, the sum rounded once; the two sums over the slots are
+accumulated in fp64, so that their order costs nothing (a 128-slot window summed in fp32 in the Triton interpreter's
+order was ~6x further from float64 than eager's sum, and the gate rolled the recipe back for it).
 """
 
 import torch
@@ -35,11 +36,13 @@ def _softmax_pool_kernel(
     gates = tl.where(in_slots, gates, float("-inf"))  # a slot past the window weighs nothing
     exponentials = tl.exp(gates - tl.max(gates, axis=0)[None, :])
     dtype: tl.constexpr = values_ptr.dtype.element_ty
-    weights = (exponentials / tl.sum(exponentials, axis=0)[None, :]).to(dtype).to(tl.float32)
+    total = tl.sum(exponentials.to(tl.float64), axis=0).to(tl.float32)
+    weights = (exponentials / total[None, :]).to(dtype).to(tl.float32)
     values = tl.load(values_ptr + row * values_stride_b + offs_s[:, None] * values_stride_s + cols[None, :],
                      mask=mask, other=0.0).to(tl.float32)
-    pooled = tl.sum((values * weights).to(dtype).to(tl.float32), axis=0)
-    tl.store(out_ptr + row * out_stride_b + cols, pooled.to(out_ptr.dtype.element_ty), mask=cols < features)
+    pooled = tl.sum((values * weights).to(dtype).to(tl.float32).to(tl.float64), axis=0)
+    tl.store(out_ptr + row * out_stride_b + cols, pooled.to(tl.float32).to(out_ptr.dtype.element_ty),
+             mask=cols < features)
 
 
 def tile_config(slots: int, features: int) -> dict:
