@@ -20,6 +20,7 @@ import triton.language as tl
 
 from optiq.fusions.gate_up_swiglu import dot_accumulate, fp32_dot
 from optiq.fusions.launch import launch_options, multiprocessor_count, wait_for_predecessor
+from optiq.fusions.rounding import round_to
 
 MIN_BLOCK = 16  # the smallest side of a tensor-core dot
 MAX_BLOCK_T = 64
@@ -34,9 +35,7 @@ def _bf16(x, FP32_DOT: tl.constexpr):
     error); there the rounding is done on fp32's bits and the values stay fp32, which dot_accumulate takes in IEEE
     fp32 under FP32_DOT."""
     if FP32_DOT:
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
-        return bits.to(tl.float32, bitcast=True)
+        return round_to(x.to(tl.float32), tl.bfloat16)
     return x.to(tl.bfloat16)
 
 

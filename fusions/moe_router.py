@@ -1,7 +1,11 @@
-"""MoE routing in one kernel: softmax over the experts, top-k, optional renormalisation and scaling, one cast.
+"""MoE routing in one kernel: scores over the experts, top-k, optional renormalisation and scaling, one cast.
 
-HF's top-k routers spend 4-6 kernels per layer on this (softmax, topk, sum and divide or multiply, cast): at decode,
-launches rather than bytes. Two entry points share the routing kernel:
+HF's top-k routers spend 4-9 kernels per layer on this (softmax, topk, sum and divide or multiply, cast): at decode,
+launches rather than bytes. The scores are a softmax (Qwen3-MoE, DeepSeek-V2) or DeepSeek-V4's sqrt(softplus), each
+rounded to the logits' dtype as the model rounds them (so the choice is made on the values the model compares). The
+experts may be chosen on the scores plus a per-expert selection bias that does not enter the weights (V4's
+correction term), or not chosen at all but read from a token -> experts table (V4's hash routing), the weights still
+the scores of those experts. Two entry points share the routing kernel:
 
 - ``route(logits, ...)`` takes the logits as the model computed them (Qwen3-MoE's bf16 F.linear). Equal logits give
   equal probabilities here as in torch, and among equal probabilities the lower expert index is taken first, the
@@ -24,6 +28,7 @@ import triton.language as tl
 
 from optiq.fusions.gate_up_swiglu import dot_accumulate, fp32_dot
 from optiq.fusions.launch import launch_options, wait_for_predecessor
+from optiq.fusions.rounding import round_to
 
 BLOCK_T = 16  # tokens per program: the smallest M tile of tl.dot
 BLOCK_K = 64
@@ -58,15 +63,32 @@ def _moe_router_gemm_kernel(
              mask=(rows[:, None] < T) & (experts[None, :] < E))
 
 
+SCORES = {"softmax": 0, "sqrtsoftplus": 1}  # the kernel's SCORE
+
+
+@triton.jit
+def sqrt_softplus(logits, ROUND_TO: tl.constexpr):
+    """sqrt(softplus(x)) as torch computes it in ROUND_TO: softplus (x past 20 as itself, else log1p(exp(x)),
+    log1p written out so that tiny exp(x) are not lost to 1 + y) rounded, then its square root rounded."""
+    y = tl.exp(-tl.abs(logits))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
+    softplus = tl.where(logits > 20.0, logits, tl.maximum(logits, 0.0) + log1p)
+    return round_to(tl.sqrt_rn(round_to(softplus, ROUND_TO)), ROUND_TO)
+
+
 @triton.jit
 def _moe_routing_kernel(
-    src_ptr, logits_ptr, weights_ptr, index_ptr, T, E, splits, scale, stride_s,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, FROM_SPLITS: tl.constexpr,
+    src_ptr, logits_ptr, weights_ptr, index_ptr, bias_ptr, ids_ptr, table_ptr, T, E, splits, scale, eps, stride_s,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, FROM_SPLITS: tl.constexpr, SCORE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HASHED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """weights, index [BLOCK_T, TOP_K] of BLOCK_T tokens; src is the logits [T, E], or (FROM_SPLITS) the router
-    GEMM's partial sums [splits, T, E], added in split order and stored as the logits (fp32)."""
+    GEMM's partial sums [splits, T, E], added in split order and stored as the logits (fp32). The experts are the
+    top TOP_K of score + bias (HAS_BIAS), or (HASHED) row ids[t] of table [V, TOP_K]; their weights are their scores,
+    divided by (their sum + eps) if RENORMALIZE, times scale."""
     wait_for_predecessor(USE_PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
@@ -84,21 +106,33 @@ def _moe_routing_kernel(
                          other=0.0).to(tl.float32)
 
     logits = tl.where(expert_mask[None, :], logits, float("-inf"))
-    numerators = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    probs = numerators / tl.sum(numerators, axis=1)[:, None]
-    probs = tl.where(expert_mask[None, :], probs, -1.0)  # below every probability: never chosen
+    if SCORE == 0:
+        numerators = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        scores = numerators / tl.sum(numerators, axis=1)[:, None]
+    else:
+        scores = sqrt_softplus(logits, src_ptr.dtype.element_ty)
+    keys = scores
+    if HAS_BIAS:
+        keys += tl.load(bias_ptr + experts, mask=expert_mask, other=0.0).to(tl.float32)[None, :]
+    keys = tl.where(expert_mask[None, :], keys, float("-inf"))  # below every score: never chosen
 
     slots = tl.arange(0, BLOCK_S)
     top = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
     top_index = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.int32)
+    if HASHED:
+        ids = tl.load(ids_ptr + rows, mask=row_mask, other=0)
     for slot in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=1)
-        pick = tl.min(tl.where(probs == best[:, None], experts[None, :], BLOCK_E), axis=1)
-        top = tl.where(slots[None, :] == slot, best[:, None], top)
+        if HASHED:
+            pick = tl.load(table_ptr + ids * TOP_K + slot, mask=row_mask, other=0).to(tl.int32)
+        else:
+            best = tl.max(keys, axis=1)
+            pick = tl.min(tl.where(keys == best[:, None], experts[None, :], BLOCK_E), axis=1)
+            keys = tl.where(experts[None, :] == pick[:, None], float("-inf"), keys)
+        chosen = tl.sum(tl.where(experts[None, :] == pick[:, None], scores, 0.0), axis=1)
+        top = tl.where(slots[None, :] == slot, chosen[:, None], top)
         top_index = tl.where(slots[None, :] == slot, pick[:, None], top_index)
-        probs = tl.where(experts[None, :] == pick[:, None], -1.0, probs)
     if RENORMALIZE:
-        top = top / tl.sum(top, axis=1)[:, None]  # the unused slots hold 0
+        top = top / (tl.sum(top, axis=1)[:, None] + eps)  # the unused slots hold 0
     top = top * scale
 
     out_mask = row_mask[:, None] & (slots[None, :] < TOP_K)
@@ -108,13 +142,16 @@ def _moe_routing_kernel(
 
 
 def _route(src: torch.Tensor, logits: torch.Tensor | None, splits: int, top_k: int, renormalize: bool,
-           scale: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+           scale: float, out_dtype: torch.dtype, score: int = 0, eps: float = 0.0, bias: torch.Tensor | None = None,
+           ids: torch.Tensor | None = None, table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, experts = logits.shape if logits is not None else src.shape
     weights = torch.empty((tokens, top_k), dtype=out_dtype, device=src.device)
     index = torch.empty((tokens, top_k), dtype=torch.int64, device=src.device)
     torch.library.wrap_triton(_moe_routing_kernel)[(triton.cdiv(tokens, BLOCK_T),)](
-        src, logits if logits is not None else src, weights, index, tokens, experts, splits, scale, src.stride(0),
-        TOP_K=top_k, RENORMALIZE=renormalize, FROM_SPLITS=logits is not None, BLOCK_T=BLOCK_T,
+        src, logits if logits is not None else src, weights, index, bias if bias is not None else src,
+        ids if ids is not None else index, table if table is not None else index, tokens, experts, splits, scale,
+        eps, src.stride(0), TOP_K=top_k, RENORMALIZE=renormalize, FROM_SPLITS=logits is not None, SCORE=score,
+        HAS_BIAS=bias is not None, HASHED=table is not None, BLOCK_T=BLOCK_T,
         BLOCK_E=triton.next_power_of_2(experts), BLOCK_S=triton.next_power_of_2(top_k), num_warps=4,
         **launch_options(src),
     )
@@ -122,9 +159,11 @@ def _route(src: torch.Tensor, logits: torch.Tensor | None, splits: int, top_k: i
 
 
 @torch.library.triton_op("optiq::moe_route", mutates_args=())
-def _moe_route_op(logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
-                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return _route(logits.contiguous(), None, 0, top_k, renormalize, scale, out_dtype)
+def _moe_route_op(logits: torch.Tensor, top_k: int, renormalize: bool, scale: float, out_dtype: torch.dtype,
+                  score: int, eps: float, bias: torch.Tensor | None, ids: torch.Tensor | None,
+                  table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _route(logits.contiguous(), None, 0, top_k, renormalize, scale, out_dtype, score, eps, bias,
+                  ids.contiguous() if ids is not None else None, table.contiguous() if table is not None else None)
 
 
 @torch.library.triton_op("optiq::moe_route_gemm", mutates_args=())
@@ -152,11 +191,23 @@ def _check_top_k(experts: int, top_k: int) -> None:
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool = False, scale: float = 1.0,
-          out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          out_dtype: torch.dtype | None = None, score: str = "softmax", eps: float = 0.0,
+          bias: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+          table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, k] in ``out_dtype`` (default: the logits'), expert ids [T, k] int64): the top-k
-    of softmax(logits) in fp32, divided by their sum if ``renormalize``, times ``scale``."""
+    experts by ``score`` (softmax or sqrtsoftplus of the logits, in fp32 from values rounded as the model rounds
+    them) plus ``bias`` [E] if given, or those of row ``ids`` [T] of ``table`` [V, k] if given; their scores divided
+    by (their sum + ``eps``) if ``renormalize``, times ``scale``."""
     _check_top_k(logits.shape[-1], top_k)
-    return torch.ops.optiq.moe_route(logits, top_k, renormalize, scale, out_dtype or logits.dtype)
+    if score not in SCORES:
+        raise ValueError(f"score '{score}' is not one of {', '.join(SCORES)}")
+    if bias is not None and bias.shape != (logits.shape[-1],):
+        raise ValueError(f"bias {tuple(bias.shape)} is not [{logits.shape[-1]}]")
+    if (ids is None) != (table is None) or table is not None and (
+            table.dim() != 2 or table.shape[1] != top_k or ids.shape != logits.shape[:1]):
+        raise ValueError(f"ids and table go together, [{logits.shape[0]}] and [V, {top_k}]")
+    return torch.ops.optiq.moe_route(logits, top_k, renormalize, scale, out_dtype or logits.dtype, SCORES[score],
+                                     eps, bias, ids, table)
 
 
 def route_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool = False,
@@ -172,12 +223,22 @@ def route_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, re
 
 
 def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool = False, scale: float = 1.0,
-                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """What HF's routers do, in torch ops (the benchmark's eager path and the tests' reference)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, index = torch.topk(probs, top_k, dim=-1)
+                    out_dtype: torch.dtype | None = None, score: str = "softmax", eps: float = 0.0,
+                    bias: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+                    table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What HF's routers do, in torch ops (the benchmark's eager path and the tests' reference): softmax routers in
+    fp32, DeepSeek-V4's sqrt(softplus) in the logits' dtype."""
+    if score == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = F.softplus(logits).sqrt()
+    if table is not None:
+        index = table[ids]
+    else:
+        index = torch.topk(scores if bias is None else scores + bias, top_k, dim=-1).indices
+    top = scores.gather(1, index)
     if renormalize:
-        top = top / top.sum(dim=-1, keepdim=True)
+        top = top / (top.sum(dim=-1, keepdim=True) + eps)
     return (top * scale).to(out_dtype or logits.dtype), index
 
 

@@ -6,6 +6,7 @@ CPU cases run under the Triton interpreter at small, odd shapes; CUDA cases use 
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from optiq.fusions.moe_router import route, route_from_hidden, route_reference
 from kernel_testing import CUDA, OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
@@ -97,6 +98,99 @@ def test_reference_is_hf_routing(request):
     check(route_reference(logits, 4, renormalize=True), logits, 4, True, 1.0, torch.float32)
 
 
+def v4_expected(logits, top_k, bias=None, ids=None, table=None, scale=1.5):
+    """DeepSeek-V4's routing in float64 from the scores the model compares (sqrt(softplus) rounded twice to the logits'
+    dtype, as torch rounds each op), ties to the lower index, weights renormalised with its 1e-20."""
+    scores = F.softplus(logits).sqrt().double()
+    keys = scores if bias is None else scores + bias.double()
+    index = table[ids] if table is not None else torch.sort(-keys, dim=-1, stable=True).indices[:, :top_k]
+    top = scores.gather(-1, index)
+    return top / (top.sum(-1, keepdim=True) + 1e-20) * scale, index
+
+
+def v4_route(logits, top_k, **kwargs):
+    return route(logits, top_k, renormalize=True, scale=1.5, score="sqrtsoftplus", eps=1e-20, **kwargs)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (17, 24, 6)])
+def test_sqrtsoftplus_with_selection_bias(request, dtype, tokens, experts, top_k):
+    """V4's learned routing: experts chosen on score + a per-expert bias (random, of either sign, large enough to
+    reorder the choice), weighted by their scores alone; the logits span softplus's regimes (-30 to 25)."""
+    gen = torch.Generator().manual_seed(seed_of(request))
+    logits = (torch.randn(tokens, experts, generator=gen) * 8).clamp(-30, 25).to(SMALL_DEVICE, dtype)
+    bias = (torch.randn(experts, generator=gen) * 2).to(SMALL_DEVICE)
+    weights, index = v4_route(logits, top_k, out_dtype=torch.float32, bias=bias)
+    want_weights, want_index = v4_expected(logits, top_k, bias)
+    assert torch.equal(index.cpu(), want_index.cpu())
+    torch.testing.assert_close(weights.double(), want_weights, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(index, v4_route(logits, top_k, out_dtype=torch.float32)[1])  # the bias did choose
+
+
+def test_sqrtsoftplus_scores_round_as_torch(request):
+    """Every expert chosen, no renormalisation: the weights are the scores themselves, bit for bit torch's bf16
+    sqrt(softplus), across softplus's regimes (log1p of tiny exp(x), past its threshold of 20)."""
+    gen = torch.Generator().manual_seed(seed_of(request))
+    logits = torch.cat([torch.linspace(-40, 30, 61), torch.randn(3) * 4]).view(2, 32).to(SMALL_DEVICE, torch.bfloat16)
+    weights, index = route(logits, 32, score="sqrtsoftplus", out_dtype=torch.float32)
+    want = F.softplus(logits).sqrt().float()
+    assert torch.equal(weights, want.gather(-1, index))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hashed_routing_reads_the_table(request, dtype):
+    """V4's hash routing: the experts are row ids[t] of the token -> experts table (no choice made), the weights the
+    scores of those experts, renormalised and scaled."""
+    gen = torch.Generator().manual_seed(seed_of(request))
+    tokens, experts, top_k, vocab = 19, 16, 4, 50
+    logits = torch.randn(tokens, experts, generator=gen).to(SMALL_DEVICE, dtype)
+    table = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(vocab)]).to(SMALL_DEVICE)
+    ids = torch.randint(vocab, (tokens,), generator=gen).to(SMALL_DEVICE)
+    weights, index = v4_route(logits, top_k, out_dtype=torch.float32, ids=ids, table=table)
+    want_weights, want_index = v4_expected(logits, top_k, ids=ids, table=table)
+    assert torch.equal(index, want_index)
+    torch.testing.assert_close(weights.double(), want_weights, rtol=1e-6, atol=1e-6)
+    with pytest.raises(AssertionError):  # a kernel reading the next token's row would be told apart
+        torch.testing.assert_close(v4_route(logits, top_k, out_dtype=torch.float32, ids=ids.roll(1),
+                                            table=table)[0].double(), want_weights, rtol=1e-6, atol=1e-6)
+
+
+def test_v4_reference_is_hf_routing(request):
+    """route_reference's V4 path is DeepseekV4TopKRouter's own forward (same logits, bias, scale) on the CPU."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
+    config = DeepseekV4Config(hidden_size=32, num_local_experts=16, num_experts_per_tok=4)
+    torch.manual_seed(seed_of(request))
+    router = DeepseekV4TopKRouter(config)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    router.e_score_correction_bias.normal_()
+    hidden = torch.randn(5, 32)
+    logits, weights, index = router(hidden)
+    want_weights, want_index = route_reference(logits, 4, True, config.routed_scaling_factor, score="sqrtsoftplus",
+                                               eps=1e-20, bias=router.e_score_correction_bias)
+    assert torch.equal(index.sort(-1).values, want_index.sort(-1).values)
+    torch.testing.assert_close(weights.gather(-1, index.argsort(-1)), want_weights.gather(-1, want_index.argsort(-1)))
+
+
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_v4_flash_router_cuda(tokens):
+    """At V4-Flash's router (256 experts, top 6, bf16 logits, a selection bias): the experts torch chooses on CUDA,
+    their weights within bf16's rounding of the model's chain."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, 256, generator=gen, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(256, generator=gen, device="cuda") * 0.1
+    weights, index = v4_route(logits, 6, bias=bias)
+    want_weights, want_index = route_reference(logits, 6, True, 1.5, score="sqrtsoftplus", eps=1e-20, bias=bias)
+    by_id, want_by_id = index.argsort(-1), want_index.argsort(-1)
+    assert torch.equal(index.gather(-1, by_id), want_index.gather(-1, want_by_id))
+    torch.testing.assert_close(weights.gather(-1, by_id).float(), want_weights.gather(-1, want_by_id).float(),
+                               rtol=2 * TOLERANCES[torch.bfloat16], atol=0)
+    assert_graph_replay_and_compile(lambda: v4_route(logits, 6, bias=bias),
+                                    lambda: logits.copy_(logits.roll(1, dims=1)))
+
+
 @needs_cuda
 @pytest.mark.parametrize("tokens", [1, 16, 64])
 @pytest.mark.parametrize("levels", [None, 8])
@@ -136,7 +230,10 @@ def test_cuda_graph_and_compile_cuda():
 
 
 @pytest.mark.parametrize("op, args", [
-    ("moe_route", lambda: (make_logits(1, 3, 8, torch.float32, SMALL_DEVICE), 2, True, 1.0, torch.float32)),
+    ("moe_route", lambda: (make_logits(1, 3, 8, torch.float32, SMALL_DEVICE), 2, True, 1.0, torch.float32, 0, 0.0,
+                           None, None, None)),
+    ("moe_route", lambda: (make_logits(1, 3, 8, torch.bfloat16, SMALL_DEVICE), 2, True, 1.5, torch.bfloat16, 1,
+                           1e-20, torch.randn(8, device=SMALL_DEVICE), None, None)),
     ("moe_route_gemm", lambda: (torch.randn(3, 32, device=SMALL_DEVICE), torch.randn(8, 32, device=SMALL_DEVICE),
                                 2, False, 1.0, torch.float32)),
 ])
