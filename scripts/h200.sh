@@ -18,7 +18,8 @@
 #   verify:MODEL   optiq recipes verify --mutants --model MODEL at W1's gate (C=${VERIFY_C:-1,16,64}, prompt 512,
 #                  cache 1024, 64 steps, graph): every recipe alone, with its real kernel and each mutant
 #   margins:MODEL  scripts/gate_margins.py MODEL bf16 1,16,64 512 1024: the correct kernels' error distributions
-#   pdl:MODEL=R[,R]         scripts/pdl_ab.py: decode tok/s of MODEL patched with recipes R, PDL off and on
+#   knob:MODEL=R[,R]        scripts/knob_ab.py: decode tok/s of MODEL patched with recipes R under each value of
+#                  a measuring knob, alternating (KNOB, default OPTIQ_PDL=0,1; KNOB_C the concurrencies, 1,16,64)
 #   gate-profile:MODEL=R[,R]  scripts/gate_profile.py: cProfile of the gate on MODEL patched with recipes R
 # Every run directory comes back as MODEL-KIND.tgz (eager traces left out when the archive would pass 15 MB), packed
 # after each stage. An apply or profile stage stops after STAGE_S seconds (default 480), and every stage by the time
@@ -78,9 +79,9 @@ for stage in "$@"; do
     bench:*) names=${stage#bench:}
              timeout "$(limit 300)" python3 scripts/bench_fusions.py "$OUT/fusions.json" ${names//,/ } 2>&1 \
                | tee -a $OUT/log.txt ;;
-    pdl:*) spec=${stage#pdl:}
-           timeout "$(limit "$STAGE_S")" python3 scripts/pdl_ab.py "${spec%%=*}" "${spec#*=}" "$OUT/pdl_${spec%%=*}.json" \
-             2>&1 | tee -a $OUT/log.txt ;;
+    knob:*) spec=${stage#knob:}
+            timeout "$(limit "$STAGE_S")" python3 scripts/knob_ab.py "${spec%%=*}" "${spec#*=}" \
+              "$OUT/knob_${spec%%=*}.json" "${KNOB:-OPTIQ_PDL=0,1}" "${KNOB_C:-1,16,64}" 2>&1 | tee -a $OUT/log.txt ;;
     gate-profile:*) spec=${stage#gate-profile:}
                     timeout "$(limit "$STAGE_S")" python3 scripts/gate_profile.py "${spec%%=*}" "${spec#*=}" \
                       "$OUT/gate_profile_${spec%%=*}.txt" 2>&1 | tee -a $OUT/log.txt ;;
