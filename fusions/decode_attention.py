@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from optiq.fusions.launch import launch_options, multiprocessor_count, wait_for_predecessor
+from optiq.fusions.launch import (launch_options, multiprocessor_count, prefetch_options, prefetch_rows,
+                                 wait_for_predecessor)
 
 LOG2E = 1.4426950408889634
 
@@ -97,7 +98,7 @@ def _decode_attention_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_VISIBLE: tl.constexpr, SHARED_KV: tl.constexpr, HAS_SINKS: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     """One (sequence, kv head, block of its query heads, split): online softmax over the split's valid positions.
 
@@ -105,19 +106,30 @@ def _decode_attention_split_kernel(
     sequence sees: the combine then gives it zero weight). With ONE_SPLIT the split is the whole softmax: the
     output itself is written (into ``partial_out_ptr``, in the output's dtype, the sinks' share taken out here), and
     no combine runs.
+
+    Before waiting for its predecessor (which writes the step's new position, and perhaps the lengths), a program
+    asks L2 for its first tile of cached keys and values, as far as the lengths it reads then say: a prefetch only,
+    so a stale length costs a wasted line, never a wrong value.
     """
-    wait_for_predecessor(USE_PDL)
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     batch = (pid_bh // (num_kv_heads * head_blocks)).to(tl.int64)
     kv_head = pid_bh // head_blocks % num_kv_heads
     head_block = pid_bh % head_blocks
+    k_base = k_ptr + batch * k_stride_b + kv_head * k_stride_h
+    v_base = v_ptr + batch * v_stride_b + kv_head * v_stride_h
+    offs_n = tl.arange(0, BLOCK_N)
+    if PREFETCH_LINES > 0:
+        early_start, early_end = split_bounds(lengths_ptr, starts_ptr, batch, split, split_len, HAS_STARTS)
+        prefetch_rows(k_base, early_start + offs_n, early_end, head_dim, k_stride_n, 1, PREFETCH_LINES, LINE)
+        if not SHARED_KV:
+            prefetch_rows(v_base, early_start + offs_n, early_end, head_dim, v_stride_n, 1, PREFETCH_LINES, LINE)
+    wait_for_predecessor(USE_PDL)
 
     start, end = split_bounds(lengths_ptr, starts_ptr, batch, split, split_len, HAS_STARTS)
 
     rows = head_block * BLOCK_G + tl.arange(0, BLOCK_G)
     cols = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     row_mask = rows < group_size
     col_mask = cols < head_dim
     q_heads = kv_head * group_size + rows
@@ -128,8 +140,6 @@ def _decode_attention_split_kernel(
     )
     if UPCAST_DOT:
         q = q.to(tl.float32)
-    k_base = k_ptr + batch * k_stride_b + kv_head * k_stride_h
-    v_base = v_ptr + batch * v_stride_b + kv_head * v_stride_h
 
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_G], tl.float32)
@@ -274,6 +284,7 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                                         dtype=torch.float32)
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    launch = launch_options(q)
     torch.library.wrap_triton(_decode_attention_split_kernel)[(batch * num_kv_heads * head_blocks, splits)](
         q, k_cache, v_cache, lengths, lengths if starts is None else starts, lengths if visible is None else visible,
         lengths if sinks is None else sinks, partial_out, partial_lse,
@@ -286,7 +297,8 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         UPCAST_DOT=interpreted, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_STARTS=starts is not None, SOFTCAP=softcap > 0, HAS_VISIBLE=visible is not None, SHARED_KV=shared_kv,
         HAS_SINKS=sinks is not None, ONE_SPLIT=one_split,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **launch_options(q),
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **launch,
+        **prefetch_options(launch, block_n, head_dim, k_cache.element_size()),
     )
     if one_split:
         return out

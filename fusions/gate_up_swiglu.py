@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from optiq.fusions.activation import activation_index, activation_reference, gated_activation
-from optiq.fusions.launch import launch_options, wait_for_predecessor
+from optiq.fusions.launch import launch_options, prefetch_options, prefetch_rows, wait_for_predecessor
 
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -66,18 +66,19 @@ def _gate_up_gemm_swiglu_kernel(
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
-    ACTIVATION: tl.constexpr, USE_PDL: tl.constexpr,
+    ACTIVATION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     """Output tile [BLOCK_M, BLOCK_N] of act(gate) * up; its weight tile is 2 * BLOCK_N interleaved rows.
 
     Program ids run over M fastest, so the M tiles that share a weight tile run together and share it through L2.
     """
-    wait_for_predecessor(USE_PDL)
     num_m_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = tl.program_id(0) % num_m_tiles
     pid_n = tl.program_id(0) // num_m_tiles
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     w_rows = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+    prefetch_rows(w_ptr, w_rows, 2 * N, K, stride_wn, stride_wk, PREFETCH_LINES, LINE)
+    wait_for_predecessor(USE_PDL)
     acc = stream_dot(x_ptr, w_ptr, rows, w_rows, M, 2 * N, K, stride_xm, stride_xk, stride_wn, stride_wk,
                      BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP32_DOT)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -111,10 +112,12 @@ def _gate_up_swiglu_op(x: torch.Tensor, w_gate_up: torch.Tensor, activation: int
     out2d = out.view(rows, intermediate)
     config = _tile_config(rows, intermediate)
     grid = (triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(intermediate, config["BLOCK_N"]),)
+    launch = launch_options(x)
     torch.library.wrap_triton(_gate_up_gemm_swiglu_kernel)[grid](
         x2d, w_gate_up, out2d, rows, intermediate, hidden,
         *x2d.stride(), *w_gate_up.stride(), *out2d.stride(),
-        FP32_DOT=fp32_dot(x.dtype), ACTIVATION=activation, **config, **launch_options(x),
+        FP32_DOT=fp32_dot(x.dtype), ACTIVATION=activation, **config, **launch,
+        **prefetch_options(launch, 2 * config["BLOCK_N"], hidden, w_gate_up.element_size()),
     )
     return out
 

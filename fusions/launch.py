@@ -9,7 +9,13 @@ replay). Launched with PDL, a kernel's programs may be resident before its prede
 launch. Waiting first, before any load or store, keeps every read-after-write and write-after-read order of the
 stream, so the kernels need no other change. A predecessor launched without PDL (cuBLAS, torch's own kernels) just
 ends the overlap there: its successor starts when it completes, as without PDL. What it buys alone is in
-BENCHMARKS.md (scripts/pdl_ab.py).
+BENCHMARKS.md (scripts/knob_ab.py).
+
+Before it waits, a kernel may already ask L2 for the data it will read first (``prefetch_rows``): a decode GEMM's
+weight rows, decode attention's cached keys and values. HBM then keeps streaming across the boundary between two
+kernels instead of idling through the next kernel's first loads (a GEMM a few microseconds long spends one or two of
+them on that ramp). A prefetch is a hint that loads nothing into registers: L2 is where every SM's writes land, so
+asking it for a line the predecessor is still writing is safe, only wasted.
 
 Off under the Triton interpreter (it has no such instructions), under torch.compile (its tracing tensors are not
 plain ones; it launches kernels its own way and cannot analyse the wait's inline assembly), before Hopper, and with
@@ -22,6 +28,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+
+PREFETCH_KB = 32  # weight bytes a program asks L2 for before it waits (prefetch_options; 64 and 128 measured slower)
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,10 +65,38 @@ def launch_options(tensor: torch.Tensor, programs: int | None = None) -> dict:
     return {"USE_PDL": on, "launch_pdl": on} if on else {"USE_PDL": False}
 
 
+PREFETCH_LINE_BYTES = 128  # an L2 cache line
+
+
+def prefetch_options(launch: dict, rows: int, k: int, itemsize: int) -> dict:
+    """``PREFETCH_LINES`` and ``LINE`` for a kernel whose programs each stream ``rows`` weight rows of ``k``
+    elements: the cache lines of each row's start to ask L2 for before waiting, about ``OPTIQ_PREFETCH_KB`` (default
+    PREFETCH_KB) a program, a power of two of them and no more than the row holds; none without PDL (nothing to
+    overlap, and the interpreter has no prefetch instruction). ``OPTIQ_PREFETCH_KB=0`` turns it off, to measure it."""
+    line = PREFETCH_LINE_BYTES // itemsize
+    budget = int(os.environ.get("OPTIQ_PREFETCH_KB", PREFETCH_KB)) * 1024 // (PREFETCH_LINE_BYTES * rows)
+    lines = min(triton.next_power_of_2(budget + 1) // 2, triton.next_power_of_2(triton.cdiv(k, line)))
+    return {"PREFETCH_LINES": lines if launch["USE_PDL"] else 0, "LINE": line}
+
+
+@triton.jit
+def prefetch_rows(w_ptr, w_rows, W_ROWS, K, stride_wn, stride_wk, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the first PREFETCH_LINES cache lines (LINE elements each) of rows ``w_rows`` of a matrix [W_ROWS,
+    K]: no registers held, no wait, nothing for rows or lines past it (those addresses fold onto its first line).
+    Issued before ``wait_for_predecessor``, it overlaps the predecessor's tail."""
+    if PREFETCH_LINES > 0:
+        offs = tl.arange(0, PREFETCH_LINES) * LINE
+        ptrs = w_ptr + w_rows[:, None].to(tl.int64) * stride_wn + offs[None, :] * stride_wk
+        ptrs = tl.where((w_rows[:, None] < W_ROWS) & (offs[None, :] < K), ptrs, w_ptr)
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def wait_for_predecessor(USE_PDL: tl.constexpr):
-    """First thing in every kernel: wait until the kernel before has finished and its writes are visible, then let
-    the kernel after launch (it waits in turn, so at most two kernels overlap)."""
+    """In every kernel before its first load (prefetches aside) or store: wait until the kernel before has finished
+    and its writes are visible, then let the kernel after launch (it waits in turn, so at most two kernels
+    overlap)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

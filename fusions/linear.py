@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from optiq.fusions.gate_up_swiglu import fp32_dot, stream_dot
-from optiq.fusions.launch import (launch_options, multiprocessor_count, shared_memory_per_multiprocessor,
-                                 wait_for_predecessor)
+from optiq.fusions.launch import (launch_options, multiprocessor_count, prefetch_options, prefetch_rows,
+                                 shared_memory_per_multiprocessor, wait_for_predecessor)
 
 DECODE_ROWS = 16  # rows up to which the streaming kernel is used
 MAX_BLOCK_M = 64  # the kernel's largest M tile: every row of x in one tile, so W is read once
@@ -41,6 +41,7 @@ def _linear_kernel(
     stride_xg, stride_wg, stride_og,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     """Output columns [BLOCK_N] of every row (M <= BLOCK_M) of group program_id(1) (x, w and out advanced by their
     group strides; one group for a plain linear), accumulated in fp32 over K slice program_id(2) of SPLITS, the bias
@@ -49,7 +50,6 @@ def _linear_kernel(
     With SPLITS > 1 each program writes its fp32 partial sum to ``partial_ptr`` and counts itself in the tile's
     arrival counter; the last to arrive adds the SPLITS partials in split order (the same sum whichever program is
     last), runs the epilogue and sets the counter back to 0 for the next call."""
-    wait_for_predecessor(USE_PDL)
     group = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     x_ptr += group * stride_xg + split * k_per_split * stride_xk
@@ -59,7 +59,10 @@ def _linear_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     cols = tl.program_id(0) * BLOCK_N + offs_n
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    acc = stream_dot(x_ptr, w_ptr, rows, cols, M, N, tl.minimum(K - split * k_per_split, k_per_split),
+    k_slice = tl.minimum(K - split * k_per_split, k_per_split)
+    prefetch_rows(w_ptr, cols, N, k_slice, stride_wn, stride_wk, PREFETCH_LINES, LINE)
+    wait_for_predecessor(USE_PDL)
+    acc = stream_dot(x_ptr, w_ptr, rows, cols, M, N, k_slice,
                      stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT)
     last = True
     if SPLITS > 1:
@@ -84,13 +87,14 @@ def _linear_kernel(
 
 
 def split_count(tiles: int, k: int, num_sms: int) -> int:
-    """K slices each output tile is cut into: about one program an SM when the tiles alone leave a third of the SMs
-    idle or more (qwen3-0.6b's 1024 columns are 32 tiles of 32 for 132 SMs, Gemma-3-1B's 1152 are 36), each slice
-    still KSPLIT_MIN wide; one where the tiles (nearly) fill the GPU (Phi-3's 3072 columns, 96 tiles: slicing them
+    """K slices each output tile is cut into when the tiles alone leave a third of the SMs idle or more (qwen3-0.6b's
+    1024 columns are 32 tiles of 32 for 132 SMs, Gemma-3-1B's 1152 are 36): as many as keep every program on an SM
+    of its own (a slice more, and some SMs stream two programs' weights while others idle), each slice still
+    KSPLIT_MIN wide; one where the tiles (nearly) fill the GPU (Phi-3's 3072 columns, 96 tiles: slicing them
     measured no faster)."""
     if 3 * tiles > 2 * num_sms or os.environ.get("OPTIQ_SPLIT_K", "1") == "0":  # the knob: to measure what it buys
         return 1
-    return max(1, min(triton.cdiv(num_sms, tiles), k // KSPLIT_MIN, MAX_SPLITS))
+    return max(1, min(num_sms // tiles, k // KSPLIT_MIN, MAX_SPLITS))
 
 
 def tile_config(n: int, k: int, device: torch.device, rows: int = 1, itemsize: int = 2) -> dict:
@@ -160,6 +164,7 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     config = tile_config(groups * n, k, x.device, rows, x.element_size())  # the programs of every group share SMs
     tiles = triton.cdiv(n, config["BLOCK_N"])
     k_per_split, splits = k_slices(k, config["SPLITS"] if groups * tiles <= arrivals.numel() else 1, config["BLOCK_K"])
+    launch = launch_options(x, programs=groups * tiles * splits)
     partials = torch.empty((groups * tiles * splits * config["BLOCK_M"] * config["BLOCK_N"],) if splits > 1 else (1,),
                            dtype=torch.float32, device=x.device)
     torch.library.wrap_triton(_linear_kernel)[(tiles, groups, splits)](
@@ -167,7 +172,8 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x3d.stride(0), x3d.stride(2), *weight.stride(), *r2d.stride(), out3d.stride(0), out3d.stride(2),
         x3d.stride(1), n * weight.stride(0), out3d.stride(1),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, FP32_DOT=fp32_dot(x.dtype),
-        **{**config, "SPLITS": splits}, **launch_options(x),
+        **{**config, "SPLITS": splits}, **launch,
+        **prefetch_options(launch, config["BLOCK_N"], k_per_split, weight.element_size()),
     )
     return out
 
@@ -217,6 +223,7 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 PROJECTIONS = {  # (K, N) of the presets' decode GEMMs
+    "llama-3.2-1b qkv": (2048, 3072), "llama-3.2-1b o_proj": (2048, 2048), "llama-3.2-1b down_proj": (8192, 2048),
     "qwen3-0.6b qkv": (1024, 4096), "qwen3-0.6b o_proj": (2048, 1024), "qwen3-0.6b down_proj": (3072, 1024),
     "llama-3.1-8b qkv": (4096, 6144), "llama-3.1-8b o_proj": (4096, 4096), "llama-3.1-8b down_proj": (14336, 4096),
     "phi-3-mini qkv": (3072, 9216), "phi-3-mini o_proj": (3072, 3072), "phi-3-mini down_proj": (8192, 3072),

@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from optiq.fusions.add_rmsnorm import add_rmsnorm
 from optiq.fusions.gate_up_swiglu import gate_up_swiglu, interleave_gate_up
-from optiq.fusions.launch import enabled, launch_options
+from optiq.fusions.launch import PREFETCH_KB, enabled, launch_options, prefetch_options
 from optiq.fusions.linear import linear
 from optiq.fusions.rmsnorm import rmsnorm
 from kernel_testing import CUDA, needs_cuda
@@ -24,6 +24,19 @@ def test_off_on_the_cpu():
 def test_off_for_the_tensors_torch_compile_traces_with():
     with FakeTensorMode() as fake:
         assert not enabled(fake.from_tensor(torch.ones(2)))
+
+
+def test_prefetch_asks_for_a_power_of_two_of_lines_within_its_budget(monkeypatch):
+    """A program of 32 bf16 rows asks for PREFETCH_KB of their starts; of 48 rows the power of two under its share;
+    never past a row's end; nothing without PDL (the interpreter has no prefetch) or with the knob at 0."""
+    on, off = {"USE_PDL": True}, {"USE_PDL": False}
+    lines = prefetch_options(on, 32, 8192, 2)["PREFETCH_LINES"]
+    assert lines * 32 * 128 == PREFETCH_KB * 1024 and prefetch_options(on, 32, 8192, 2)["LINE"] == 64
+    assert prefetch_options(on, 48, 8192, 2)["PREFETCH_LINES"] == lines // 2
+    assert prefetch_options(on, 32, 200, 2)["PREFETCH_LINES"] == 4  # a 200-column row is four 64-column lines
+    assert prefetch_options(off, 32, 8192, 2)["PREFETCH_LINES"] == 0
+    monkeypatch.setenv("OPTIQ_PREFETCH_KB", "0")
+    assert prefetch_options(on, 32, 8192, 2)["PREFETCH_LINES"] == 0
 
 
 @needs_cuda

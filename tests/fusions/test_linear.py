@@ -98,14 +98,16 @@ def test_split_k_sums_every_slice_once(request, poisoned_empty, monkeypatch, row
 
 def test_split_count_fills_idle_sms_only(monkeypatch):
     """On 132 SMs: qwen3-0.6b's o_proj and down_proj (1024 columns) and Gemma-3-1B's down_proj (1152) are cut in K into
-    32-column tiles until there is about a program an SM; a projection whose tiles fill two thirds of the SMs or more
-    (Phi-3's o_proj, 96 tiles; Llama-3.1-8B's down_proj; an LM head) is not, nor a K too short for two slices."""
+    32-column tiles, as many slices as leave every program an SM of its own; a projection whose tiles fill two thirds
+    of the SMs or more (Phi-3's o_proj, 96 tiles; Llama-3.1-8B's down_proj; an LM head) is not, nor a K too short for
+    two slices."""
     monkeypatch.setattr(linear_module, "multiprocessor_count", lambda device: 132)
     cuda_like = torch.device("cpu")
     qwen_o_proj = linear_module.tile_config(1024, 2048, cuda_like)
-    assert (qwen_o_proj["BLOCK_N"], qwen_o_proj["SPLITS"]) == (32, 4)  # five slices asked, four of whole 128-wide tiles
-    assert linear_module.tile_config(1024, 3072, cuda_like)["SPLITS"] == 5
-    assert linear_module.tile_config(1152, 6912, cuda_like, rows=16)["SPLITS"] == 4
+    assert (qwen_o_proj["BLOCK_N"], qwen_o_proj["SPLITS"]) == (32, 4)  # 32 tiles of 4 slices: 128 programs
+    assert linear_module.tile_config(1024, 3072, cuda_like)["SPLITS"] == 4
+    assert linear_module.tile_config(1152, 6912, cuda_like, rows=16)["SPLITS"] == 3
+    assert linear_module.tile_config(2048, 8192, cuda_like)["SPLITS"] == 2  # Llama-3.2-1B's down_proj, 64 tiles
     assert linear_module.tile_config(3072, 3072, cuda_like)["SPLITS"] == 1
     assert linear_module.tile_config(4096, 14336, cuda_like)["SPLITS"] == 1
     assert linear_module.tile_config(128256, 2048, cuda_like)["SPLITS"] == 1
