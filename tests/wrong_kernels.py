@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from optiq.decode_caches.deepseek_v4 import window_slots
 from optiq.fusions.attention_prologue import attention_prologue
 from optiq.fusions.decode_attention import decode_attention_reference
 from optiq.fusions.indexer_scores import indexer_scores_reference
@@ -198,11 +199,19 @@ def indexer_scores_heads_alike(q, k, weights, scale):
     return indexer_scores_reference(q, k, weights.float().mean(dim=-1, keepdim=True).expand(weights.shape), scale)
 
 
-def pool_over_the_features(values, gates):
+def _window(kv, gate, positions, rate, overlap):
+    """The window's slots as optiq's V4 cache gathers them."""
+    rows, offsets = torch.arange(kv.shape[0], device=kv.device), torch.arange(rate, device=kv.device)
+    return window_slots(kv, gate, positions, rate, overlap, rows, offsets)
+
+
+def pool_over_the_features(kv, gate, positions, rate, overlap=0):
     """A compressor's pooling that takes the softmax along the features instead of the window's slots."""
+    values, gates = _window(kv, gate, positions, rate, overlap)
     return (values * gates.softmax(dim=2).to(values.dtype)).sum(dim=1)
 
 
-def pool_without_the_last_slot(values, gates):
+def pool_without_the_last_slot(kv, gate, positions, rate, overlap=0):
     """A compressor's pooling that stops a slot short of the window (the position just written)."""
+    values, gates = _window(kv, gate, positions, rate, overlap)
     return softmax_pool_reference(values[:, :-1], gates[:, :-1])

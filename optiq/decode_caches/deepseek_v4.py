@@ -79,15 +79,41 @@ def _output_dtype(norm: torch.nn.Module, width: int, dtype: torch.dtype, device:
     return norm(torch.zeros(1, 1, width, dtype=dtype, device=device)).dtype
 
 
+def window_slots(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, rate: int, overlap: int,
+                 rows: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots of the window of ``rate`` positions holding positions[b], gathered from the per-position buffers
+    kv and gate [batch, positions, width]: (kv, gate) [batch, slots, width - overlap]. With ``overlap`` (CSA's two
+    series) the previous window's first ``overlap`` features come first (kv 0 and gate -inf before the first
+    window), then this window's features from ``overlap`` on. ``rows`` and ``offsets`` are ``arange(batch)`` and
+    ``arange(rate)``, made once with the cache."""
+    start = positions // rate * rate
+    slots = start[:, None] + offsets  # [batch, rate]
+    window_kv, window_gate = _rows_at(kv, rows, slots), _rows_at(gate, rows, slots)
+    if not overlap:
+        return window_kv, window_gate
+    first = (start == 0)[:, None, None]
+    previous = (slots - rate).clamp(min=0)
+    prior_kv = _rows_at(kv, rows, previous)[..., :overlap].masked_fill(first, 0.0)
+    prior_gate = _rows_at(gate, rows, previous)[..., :overlap].masked_fill(first, float("-inf"))
+    return (torch.cat([prior_kv, window_kv[..., overlap:]], dim=1),
+            torch.cat([prior_gate, window_gate[..., overlap:]], dim=1))
+
+
 def pool_window(window_kv: torch.Tensor, window_gate: torch.Tensor) -> torch.Tensor:
-    """A window's compressed entry before its norm, [batch, head_dim]: its slots' kv [batch, slots, head_dim] weighted
-    by the softmax over the slots of their gates (in fp32 or wider, the weights then in kv's dtype, as HF's compressor
-    computes it) and summed. Looked up at each call, so a recipe may replace it (a ``function`` patch of
-    ``optiq.decode_caches.deepseek_v4:pool_window``) and graphs capture the replacement."""
+    """A window's slots' kv [batch, slots, features] weighted by the softmax over the slots of their gates (in fp32
+    or wider, the weights then in kv's dtype, as HF's compressor computes it) and summed: [batch, features]."""
     # The softmax taken along the last dim of a transposed copy: torch's softmax over a middle dim is a kernel that
     # spends ~24 us on HCA's [1, 128, 512] at one row.
     weights = window_gate.transpose(1, 2).softmax(dim=-1, dtype=torch.promote_types(window_gate.dtype, torch.float32))
     return (window_kv * weights.transpose(1, 2).to(window_kv.dtype)).sum(dim=1)
+
+
+def pool_position(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, rate: int, overlap: int,
+                  rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The compressed entry, before its norm, of the window holding positions[b]: ``pool_window`` of its
+    ``window_slots``, [batch, width - overlap]. Looked up at each call, so a recipe may replace it (a ``function``
+    patch of ``optiq.decode_caches.deepseek_v4:pool_position``) and graphs capture the replacement."""
+    return pool_window(*window_slots(kv, gate, positions, rate, overlap, rows, offsets))
 
 
 class _Compression:
@@ -138,17 +164,9 @@ class _Compression:
         _write(self.gate, self.rows, position, gate)
         window = position // self.rate
         start = window * self.rate
-        slots = start[:, None] + self.offsets  # [batch, rate]
-        window_kv, window_gate = _rows_at(self.kv, self.rows, slots), _rows_at(self.gate, self.rows, slots)
-        if self.overlap:
-            previous = (slots - self.rate).clamp(min=0)
-            first = (window == 0)[:, None, None]
-            prior_kv = _rows_at(self.kv, self.rows, previous)[..., :self.head_dim].masked_fill(first, 0.0)
-            prior_gate = _rows_at(self.gate, self.rows, previous)[..., :self.head_dim].masked_fill(first,
-                                                                                                   float("-inf"))
-            window_kv = torch.cat([prior_kv, window_kv[..., self.head_dim:]], dim=1)
-            window_gate = torch.cat([prior_gate, window_gate[..., self.head_dim:]], dim=1)
-        pooled = compressor.kv_norm(pool_window(window_kv, window_gate))[:, None]  # [batch, 1, head_dim]
+        pooled = pool_position(self.kv, self.gate, position, self.rate, self.head_dim if self.overlap else 0,
+                               self.rows, self.offsets)
+        pooled = compressor.kv_norm(pooled)[:, None]  # [batch, 1, head_dim]
         cos, sin = compressor.rotary_emb(pooled, position_ids=start[:, None], layer_type=compressor.rope_layer_type)
         pooled = hf.apply_rotary_pos_emb(pooled.unsqueeze(1), cos, sin).squeeze(1)
         _write(self.entries, self.rows, window, pooled[:, 0])

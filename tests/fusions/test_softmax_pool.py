@@ -1,12 +1,15 @@
 """Softmax-weighted pooling against the same computation in float64: a window's slots (2 to 128, odd feature counts,
-a slot masked as DeepSeek-V4's first window masks its overlap), the values in fp32 and bf16, the gates fp32.
+a slot masked as DeepSeek-V4's first window masks its overlap), the values in fp32 and bf16, the gates fp32; and read
+from per-position buffers by window (softmax_pool_window) against optiq's V4 cache's own gather of them.
 
 CPU cases run under the Triton interpreter at small shapes; CUDA cases take DeepSeek-V4-Flash's windows."""
 
 import pytest
 import torch
 
-from optiq.fusions.softmax_pool import POOLS, benchmark_case, softmax_pool, softmax_pool_reference, tile_config
+from optiq.decode_caches.deepseek_v4 import window_slots
+from optiq.fusions.softmax_pool import (POOLS, benchmark_case, softmax_pool, softmax_pool_reference,
+                                       softmax_pool_window, tile_config)
 from kernel_testing import OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -41,6 +44,66 @@ def test_a_masked_slot_weighs_nothing(request):
     check(values, gates)
     torch.testing.assert_close(softmax_pool(values, gates), softmax_pool(values[:, 4:].contiguous(),
                                                                          gates[:, 4:].contiguous()))
+
+
+def make_buffers(seed, rows, length, width, dtype, device):
+    """Per-position kv and gate buffers, and a position per row: the first window, a window's first and last
+    position, one past several windows (the rows cycle through them)."""
+    generator = torch.Generator().manual_seed(seed)
+    kv = torch.randn(rows, length, width, generator=generator).to(device=device, dtype=dtype)
+    gate = (2 * torch.randn(rows, length, width, generator=generator)).to(device)
+    positions = torch.tensor([1, 4, 7, length - 1, 8, 0][:rows] * (rows // 6 + 1), device=device)[:rows]
+    return kv, gate, positions
+
+
+def check_window(kv, gate, positions, rate, overlap, kernel=softmax_pool_window):
+    rows, offsets = torch.arange(kv.shape[0], device=kv.device), torch.arange(rate, device=kv.device)
+    values, gates = window_slots(kv.double(), gate.double(), positions, rate, overlap, rows, offsets)
+    want = (values * gates.softmax(dim=1)).sum(dim=1)
+    got = kernel(kv, gate, positions, rate, overlap)
+    assert got.shape == want.shape and got.dtype == kv.dtype
+    torch.testing.assert_close(got.double(), want, rtol=TOLERANCES[kv.dtype], atol=TOLERANCES[kv.dtype])
+
+
+@pytest.mark.parametrize("rate, width, overlap", [(4, 40, 0), (4, 48, 24), (2, 130, 65), (8, 24, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_read_from_the_buffers(request, rate, width, overlap, dtype):
+    """Six rows at different places in their windows (the first window, where the overlap's previous series is
+    absent, its first and last position, later windows), with and without CSA's overlap, odd feature counts."""
+    check_window(*make_buffers(seed_of(request), 6, 24, width, dtype, SMALL_DEVICE), rate, overlap)
+
+
+def test_the_window_comparison_can_fail(request):
+    """A kernel that pools the window before the position's, or reads the overlap's series from this window, is
+    caught; so are buffers that do not fit the window."""
+    kv, gate, positions = make_buffers(seed_of(request), 6, 24, 48, torch.float32, SMALL_DEVICE)
+    with pytest.raises(AssertionError):
+        check_window(kv, gate, positions, 4, 24,
+                     kernel=lambda k, g, p, r, o: softmax_pool_window(k, g, (p - r).clamp(min=0), r, o))
+    with pytest.raises(AssertionError):
+        check_window(kv, gate, positions, 4, 24,
+                     kernel=lambda k, g, p, r, o: softmax_pool_window(k, g, p, r, 0)[:, o:])
+    with pytest.raises(ValueError):
+        softmax_pool_window(kv, gate, positions, 4, 16)  # 48 features are not two series of 16
+    with pytest.raises(ValueError):
+        softmax_pool_window(kv, gate[:, :3], positions, 4)
+
+
+def test_window_op_registration(request):
+    kv, gate, positions = make_buffers(seed_of(request), 2, 16, 32, torch.float32, SMALL_DEVICE)
+    torch.library.opcheck(torch.ops.optiq.softmax_pool_window.default, (kv, gate, positions, 4, 16), **OPCHECKS)
+
+
+@needs_cuda
+@pytest.mark.parametrize("rate, width, overlap", [(4, 1024, 512), (128, 512, 0), (4, 256, 128)])
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_deepseek_v4_flash_buffers_cuda(rows, rate, width, overlap):
+    """V4-Flash's CSA compressor (rate 4, two series of 512), HCA's (128 positions of 512) and the CSA indexer's
+    (two series of 128), bf16 kv and fp32 gates, in a CUDA graph and under torch.compile."""
+    kv, gate, positions = make_buffers(rows + rate, rows, 1024, width, torch.bfloat16, "cuda")
+    check_window(kv, gate, positions, rate, overlap)
+    assert_graph_replay_and_compile(lambda: softmax_pool_window(kv, gate, positions, rate, overlap),
+                                    lambda: positions.add_(1))
 
 
 @needs_cuda
