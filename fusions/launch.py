@@ -31,6 +31,7 @@ import triton.language as tl
 
 
 PREFETCH_KB = 32  # weight bytes a program asks L2 for before it waits (prefetch_options; 64 and 128 measured slower)
+PREFETCH_LINE_BYTES = 128  # an L2 cache line
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,9 +64,6 @@ def launch_options(tensor: torch.Tensor, programs: int | None = None) -> dict:
     as soon as its predecessor does and wait on their SMs, holding SMs the predecessor still needs."""
     on = enabled(tensor) and (programs is None or programs < multiprocessor_count(tensor.device))
     return {"USE_PDL": on, "launch_pdl": on} if on else {"USE_PDL": False}
-
-
-PREFETCH_LINE_BYTES = 128  # an L2 cache line
 
 
 def prefetch_options(launch: dict, rows: int, k: int, itemsize: int) -> dict:

@@ -242,6 +242,18 @@ def test_bad_flag_values_fail_before_any_work(tmp_path, args, code, message):
         assert not any(tmp_path.iterdir())  # no run directory: nothing was measured
 
 
+@pytest.mark.parametrize("value", ["abc", "-4", "1.5", "", "\u0664"])
+def test_a_bad_measuring_knob_fails_before_any_work(tmp_path, monkeypatch, value):
+    """OPTIQ_PREFETCH_KB is read at every kernel launch: a value that is not a whole number of KB is a one-line
+    error up front, not every GEMM recipe rolled back by the gate for a ValueError inside its launch."""
+    monkeypatch.setenv("OPTIQ_PREFETCH_KB", value)
+    for command in ("bench", "apply-fusion"):
+        result = invoke(command, *FAST, "--runs-dir", tmp_path)
+        assert result.exit_code == 1 and "OPTIQ_PREFETCH_KB" in result.stderr, result.stderr
+        assert_one_line_error(result)
+        assert not any(tmp_path.iterdir())
+
+
 def test_duplicate_concurrencies_are_measured_once_in_the_order_given(tmp_path):
     assert common.parse_concurrency("4, 1,4,2,1") == [4, 1, 2]
     result = invoke("bench", *FAST, "--concurrency", "2,1,2,1", "--json", "--runs-dir", tmp_path)

@@ -76,6 +76,11 @@ def resolve_device_and_mode(device: str | None, mode: str | None):
         # Triton compiles only for GPUs; on the CPU the fusions run under its interpreter, which must be chosen
         # before triton is first imported (transformers' masking and modeling utilities import it): call this first.
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    prefetch = os.environ.get("OPTIQ_PREFETCH_KB")
+    if prefetch is not None and not (prefetch.isascii() and prefetch.isdigit()):
+        # read at every kernel launch: a bad value would fail each fused kernel, and the gate roll them all back
+        raise OptiqError(f"OPTIQ_PREFETCH_KB={visible(prefetch)} is not a whole number of KB (0 turns the prefetch "
+                         f"off)")
     mode = mode or ("graph" if resolved.type == "cuda" else "eager")
     if mode == "graph" and resolved.type != "cuda":
         raise OptiqError("--mode graph needs a CUDA device; use --mode eager on the CPU")
