@@ -15,9 +15,7 @@ Before it waits, a kernel may already ask L2 for the data it will read first (``
 weight rows, decode attention's cached keys and values. HBM then keeps streaming across the boundary between two
 kernels instead of idling through the next kernel's first loads (a GEMM a few microseconds long spends one or two of
 them on that ramp). A prefetch is a hint that loads nothing into registers: L2 is where every SM's writes land, so
-asking it for a line the predecessor is still writing is safe, only wasted. A kernel that moves few bytes may also
-warm L2 with what its successor reads (``prefetch_span``): at one token decode attention reads a few MB of cache
-while HBM could stream the output projection's weight, which the next GEMM then reads from L2.
+asking it for a line the predecessor is still writing is safe, only wasted.
 
 Off under the Triton interpreter (it has no such instructions), under torch.compile (its tracing tensors are not
 plain ones; it launches kernels its own way and cannot analyse the wait's inline assembly), before Hopper, and with
@@ -34,7 +32,6 @@ import triton.language as tl
 
 PREFETCH_KB = 32  # weight bytes a program asks L2 for before it waits (prefetch_options; 64 and 128 measured slower)
 PREFETCH_LINE_BYTES = 128  # an L2 cache line
-WARM_L2_SHARE = 0.5  # of L2, what a kernel's own reads and the lines it warms for its successor may fill together
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,14 +40,6 @@ def multiprocessor_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
-
-
-@functools.lru_cache(maxsize=None)
-def l2_bytes(device: torch.device) -> int:
-    """The device's L2 cache; elsewhere the H200's 50 MiB (the interpreter warms nothing, but sizes as a GPU would)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).L2_cache_size
-    return 50 * 2**20
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,36 +77,6 @@ def prefetch_options(launch: dict, rows: int, k: int, itemsize: int) -> dict:
     return {"PREFETCH_LINES": lines if launch["USE_PDL"] else 0, "LINE": line}
 
 
-def warm_options(launch: dict, warm: torch.Tensor | None, programs: int, own_bytes: int) -> dict:
-    """``warm_lines`` and ``WARM_LINES``, ``WARM_LINE`` for a kernel of ``programs`` programs that reads at most
-    ``own_bytes`` and may warm L2 with the start of ``warm`` (a contiguous tensor its successor reads: the output
-    projection's weight after decode attention): the cache lines in all, and each program's share (a power of two),
-    as many as keep the kernel's reads and the warmed lines within WARM_L2_SHARE of L2. None without PDL (its
-    programs could not start before their predecessor ends) or with ``OPTIQ_WARM_L2=0`` (to measure it)."""
-    if warm is None or not launch["USE_PDL"] or not warm.is_contiguous() or os.environ.get("OPTIQ_WARM_L2") == "0":
-        return {"warm_lines": 0, "WARM_LINES": 0, "WARM_LINE": 1}
-    budget = int(l2_bytes(warm.device) * WARM_L2_SHARE) - own_bytes
-    lines = max(0, min(warm.numel() * warm.element_size(), budget)) // PREFETCH_LINE_BYTES
-    per_program = triton.next_power_of_2(triton.cdiv(lines, programs)) if lines else 0
-    return {"warm_lines": lines, "WARM_LINES": per_program, "WARM_LINE": PREFETCH_LINE_BYTES // warm.element_size()}
-
-
-@triton.jit
-def _prefetch(ptrs):
-    """``prefetch.global.L2::evict_last`` of each address: no registers held, no wait."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_span(ptr, program, lines, WARM_LINES: tl.constexpr, WARM_LINE: tl.constexpr):
-    """Ask L2 for program ``program``'s share (WARM_LINES cache lines of WARM_LINE elements) of the first ``lines``
-    lines of the tensor at ``ptr`` (warm_options); lines past them fold onto the first."""
-    if WARM_LINES > 0:
-        offs = program * WARM_LINES + tl.arange(0, WARM_LINES)
-        _prefetch(tl.where(offs < lines, ptr + offs.to(tl.int64) * WARM_LINE, ptr))
-
-
 @triton.jit
 def prefetch_rows(w_ptr, w_rows, W_ROWS, K, stride_wn, stride_wk, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
     """Ask L2 for the first PREFETCH_LINES cache lines (LINE elements each) of rows ``w_rows`` of a matrix [W_ROWS,
@@ -126,7 +85,9 @@ def prefetch_rows(w_ptr, w_rows, W_ROWS, K, stride_wn, stride_wk, PREFETCH_LINES
     if PREFETCH_LINES > 0:
         offs = tl.arange(0, PREFETCH_LINES) * LINE
         ptrs = w_ptr + w_rows[:, None].to(tl.int64) * stride_wn + offs[None, :] * stride_wk
-        _prefetch(tl.where((w_rows[:, None] < W_ROWS) & (offs[None, :] < K), ptrs, w_ptr))
+        ptrs = tl.where((w_rows[:, None] < W_ROWS) & (offs[None, :] < K), ptrs, w_ptr)
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -165,31 +165,3 @@ def test_an_opened_engine_is_released_even_when_its_block_fails():
     with pytest.raises(RuntimeError, match="the block failed"), opened(model, 2, 16) as engine:
         raise RuntimeError("the block failed")
     assert engine.cache is None
-
-
-def test_decode_attention_is_handed_the_output_projection_to_warm(tiny_model):
-    """A decode kernel that takes ``warm`` gets the layer's o_proj weight (it may ask L2 for it while attending); one
-    of the plain signature is called without it; both compute the same."""
-    from optiq.fusions.decode_attention import decode_attention
-    from optiq.patching.replacements.attention import decode_attention_interface
-
-    module = tiny_model.model.layers[0].self_attn
-    handed = []
-
-    def warming(q, k, v, lengths, scale, warm=None):
-        handed.append(warm)
-        return decode_attention(q, k, v, lengths, scale, warm=warm)
-
-    def plain(q, k, v, lengths, scale):
-        return decode_attention(q, k, v, lengths, scale)
-
-    gen = torch.Generator().manual_seed(3)
-    heads, kv_heads, head_dim = (tiny_model.config.num_attention_heads, tiny_model.config.num_key_value_heads,
-                                 module.head_dim)
-    q = torch.randn(2, heads, 1, head_dim, generator=gen)
-    k, v = (torch.randn(2, kv_heads, 8, head_dim, generator=gen) for _ in range(2))
-    lengths = torch.tensor([8, 3])
-    outputs = [decode_attention_interface(fusion, (None, None))[0](module, q, k, v, lengths, scaling=0.3)[0]
-               for fusion in (warming, plain)]
-    assert len(handed) == 1 and handed[0] is module.o_proj.weight
-    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)

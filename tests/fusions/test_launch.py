@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from optiq.fusions.add_rmsnorm import add_rmsnorm
 from optiq.fusions.gate_up_swiglu import gate_up_swiglu, interleave_gate_up
-from optiq.fusions.launch import PREFETCH_KB, enabled, l2_bytes, launch_options, prefetch_options, warm_options
+from optiq.fusions.launch import PREFETCH_KB, enabled, launch_options, prefetch_options
 from optiq.fusions.linear import linear
 from optiq.fusions.rmsnorm import rmsnorm
 from kernel_testing import CUDA, needs_cuda
@@ -37,24 +37,6 @@ def test_prefetch_asks_for_a_power_of_two_of_lines_within_its_budget(monkeypatch
     assert prefetch_options(off, 32, 8192, 2)["PREFETCH_LINES"] == 0
     monkeypatch.setenv("OPTIQ_PREFETCH_KB", "0")
     assert prefetch_options(on, 32, 8192, 2)["PREFETCH_LINES"] == 0
-
-
-def test_warm_shares_the_lines_l2_holds_beside_the_kernels_own_reads(monkeypatch):
-    """An 8 MiB weight after a 2 MiB cache read is warmed whole, shared by 136 programs in powers of two that cover
-    it; past WARM_L2_SHARE of L2 only the start of it; nothing without PDL, for a strided tensor, or with the knob."""
-    on, off = {"USE_PDL": True}, {"USE_PDL": False}
-    weight = torch.empty(2048, 2048, dtype=torch.bfloat16)
-    warm = warm_options(on, weight, 136, 2 * 2**20)
-    assert warm["warm_lines"] == weight.nbytes // 128 and warm["WARM_LINE"] == 64
-    assert warm["WARM_LINES"] * 136 >= warm["warm_lines"] > (warm["WARM_LINES"] // 2) * 136
-    big = torch.empty(4096, 4096, dtype=torch.bfloat16)  # 32 MiB: more than half of the 50 MiB L2 off the GPU
-    assert warm_options(on, big, 136, 4 * 2**20)["warm_lines"] == (l2_bytes(big.device) // 2 - 4 * 2**20) // 128
-    assert warm_options(on, big, 136, l2_bytes(big.device))["WARM_LINES"] == 0
-    assert warm_options(off, weight, 136, 0)["WARM_LINES"] == 0
-    assert warm_options(on, weight.t(), 136, 0)["WARM_LINES"] == 0
-    assert warm_options(on, None, 136, 0)["WARM_LINES"] == 0
-    monkeypatch.setenv("OPTIQ_WARM_L2", "0")
-    assert warm_options(on, weight, 136, 0)["WARM_LINES"] == 0
 
 
 @needs_cuda

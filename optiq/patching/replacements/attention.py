@@ -3,7 +3,6 @@ and a decode attention kernel behind an HF interface."""
 
 from __future__ import annotations
 
-import inspect
 import sys
 
 import torch
@@ -205,19 +204,6 @@ def _span_mask(spans: dict, key_length: int, additive: torch.dtype | None) -> to
                                                                                          torch.finfo(additive).min)
 
 
-OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense")  # transformers' names for the projection of the attention's output
-
-
-def _output_weight(module: torch.nn.Module) -> torch.Tensor | None:
-    """The weight of the nn.Linear that reads the attention's output next, which a decode kernel may ask L2 for
-    while it runs (nothing it computes changes); None for a module without one of these names."""
-    for name in OUTPUT_PROJECTIONS:
-        projection = getattr(module, name, None)
-        if isinstance(projection, torch.nn.Linear):
-            return projection.weight
-    return None
-
-
 def decode_attention_interface(fusion, replaced):
     """(attention, mask) for one name: decode steps (one query token, attending one span of the cache) run
     ``fusion`` over each sequence's span; everything else runs ``replaced``, the (attention, mask) pair of the
@@ -228,10 +214,9 @@ def decode_attention_interface(fusion, replaced):
     compute, turns it into the mask ``replaced`` takes. The module's ``sliding_window`` argument is not read: like
     sdpa, the kernel attends what the mask lets in. The kernel gets ``starts``, ``softcap``, ``sinks`` and
     ``visible`` only where the call has them, so a kernel of the plain signature (q, k, v, lengths, scale) serves
-    every model without those variants; and ``warm``, the output projection's weight, where it takes one."""
+    every model without those variants."""
     replaced_attention, replaced_mask = replaced
     eager = replaced_mask is AttentionMaskInterface._global_mapping["eager"]
-    takes_warm = "warm" in inspect.signature(fusion).parameters
 
     def mask(**kwargs):
         spans = _decode_spans(kwargs)
@@ -242,8 +227,7 @@ def decode_attention_interface(fusion, replaced):
         if spans is not None and _kernel_computes(query, key, value, kwargs):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             variants = {"starts": spans.get("starts"), "softcap": kwargs.get("softcap"),
-                        "sinks": kwargs.get("s_aux"), "visible": spans.get("visible"),
-                        "warm": _output_weight(module) if takes_warm else None}
+                        "sinks": kwargs.get("s_aux"), "visible": spans.get("visible")}
             return fusion(query, key, value, spans["lengths"], scale,
                           **{name: given for name, given in variants.items() if given is not None}), None
         if spans is not None:
