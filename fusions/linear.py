@@ -30,92 +30,60 @@ MAX_BLOCK_M = 64  # the kernel's largest M tile: every row of x in one tile, so 
 KSPLIT_MIN = 256  # the narrowest K slice split-K cuts (qwen3-0.6b's down_proj was fastest in slices of 384)
 MAX_SPLITS = 8
 ARRIVAL_SLOTS = 1 << 16  # split-K arrival counters a device keeps: output tiles of one launch
-TILE_GRID = [dict(BLOCK_N=n, BLOCK_K=k, SPLITS=splits, STREAM=False)  # what scripts/tiles.py times (4 warps beat 8
-             for n in (16, 32, 64) for k in (128, 256) for splits in (1, 2, 3, 4, 6, 8)] + [  # everywhere)
-    dict(BLOCK_N=n, BLOCK_K=k, SPLITS=1, STREAM=True) for n in (16, 32, 64) for k in (128, 256, 512)]
-
-
-@triton.jit
-def _epilogue(acc, b_ptr, r_ptr, out_ptr, rows, cols, mask, N, stride_rm, stride_rn, stride_om, stride_on,
-              HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """The bias and the residual added to a whole fp32 sum, then its one rounding into ``out``."""
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if HAS_RESIDUAL:
-        acc += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0
-                       ).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
-             mask=mask)
-
-
-@triton.jit
-def _program_of(unit, units, programs):
-    """The program whose share of the ``units`` work units (program p: [p units / programs, (p + 1) units /
-    programs)) holds ``unit``."""
-    return ((unit + 1) * programs - 1) // units
+TILE_GRID = [dict(BLOCK_N=n, BLOCK_K=k, SPLITS=splits)  # what scripts/tiles.py times (4 warps beat 8 everywhere)
+             for n in (16, 32, 64) for k in (128, 256) for splits in (1, 2, 3, 4, 6, 8)]
 
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K, tiles, iters,
+    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_per_split,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
     stride_xg, stride_wg, stride_og,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, MAX_PIECES: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
-    """The work is the output tiles (BLOCK_N columns of every row, M <= BLOCK_M, of every group: x, w and out
-    advanced by their group strides) times the ``iters`` BLOCK_K-wide steps of each tile's K, and program p takes
-    units [p U / P, (p + 1) U / P) of its U = tiles * iters in order: one tile whole, a tile cut into equal slices
-    (P a multiple of the tiles), or, with one program an SM, pieces of one or two tiles (stream-K).
+    """Output columns [BLOCK_N] of every row (M <= BLOCK_M) of group program_id(1) (x, w and out advanced by their
+    group strides; one group for a plain linear), accumulated in fp32 over K slice program_id(2) of SPLITS, the bias
+    and the residual added to the whole sum before its one rounding.
 
-    A piece that is a whole tile runs the epilogue itself. Each piece of a cut tile writes its fp32 partial sum to
-    its slot of ``partial_ptr`` and counts itself in the tile's arrival counter; the last to arrive adds the pieces
-    in order (the same sum whichever program is last), runs the epilogue and sets the counter back to 0."""
-    program = tl.program_id(0).to(tl.int64)
-    programs = tl.num_programs(0).to(tl.int64)
-    units = tiles.to(tl.int64) * iters
-    unit = program * units // programs
-    end = (program + 1) * units // programs
+    With SPLITS > 1 each program writes its fp32 partial sum to ``partial_ptr`` and counts itself in the tile's
+    arrival counter; the last to arrive adds the SPLITS partials in split order (the same sum whichever program is
+    last), runs the epilogue and sets the counter back to 0 for the next call."""
+    group = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    x_ptr += group * stride_xg + split * k_per_split * stride_xk
+    w_ptr += group * stride_wg + split * k_per_split * stride_wk
+    out_ptr += group * stride_og
     rows = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    first_tile = unit // iters
-    first_k = (unit - first_tile * iters) * BLOCK_K
-    first_group = first_tile // tl.cdiv(N, BLOCK_N)
-    prefetch_rows(w_ptr + first_group * stride_wg + first_k * stride_wk,
-                  (first_tile % tl.cdiv(N, BLOCK_N)) * BLOCK_N + offs_n, N, K - first_k, stride_wn, stride_wk,
-                  PREFETCH_LINES, LINE)
+    cols = tl.program_id(0) * BLOCK_N + offs_n
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    k_slice = tl.minimum(K - split * k_per_split, k_per_split)
+    prefetch_rows(w_ptr, cols, N, k_slice, stride_wn, stride_wk, PREFETCH_LINES, LINE)
     wait_for_predecessor(USE_PDL)
-    while unit < end:
-        tile = unit // iters
-        tile_start = tile * iters
-        piece_end = tl.minimum(end, tile_start + iters)
-        group = tile // tl.cdiv(N, BLOCK_N)
-        cols = (tile % tl.cdiv(N, BLOCK_N)) * BLOCK_N + offs_n
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        k_start = (unit - tile_start) * BLOCK_K
-        k_stop = tl.minimum((piece_end - tile_start) * BLOCK_K, K)
-        acc = stream_dot(x_ptr + group * stride_xg + k_start * stride_xk, w_ptr + group * stride_wg
-                         + k_start * stride_wk, rows, cols, M, N, k_stop - k_start,
-                         stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT)
-        out_tile = out_ptr + group * stride_og
-        if (unit == tile_start) & (piece_end == tile_start + iters):
-            _epilogue(acc, b_ptr, r_ptr, out_tile, rows, cols, mask, N, stride_rm, stride_rn, stride_om,
-                      stride_on, HAS_BIAS, HAS_RESIDUAL)
-        else:
-            first = _program_of(tile_start, units, programs)
-            pieces = _program_of(tile_start + iters - 1, units, programs) - first + 1
-            slots = partial_ptr + ((tile * MAX_PIECES * BLOCK_M + rows[:, None]) * BLOCK_N + offs_n[None, :])
-            tl.store(slots + (program - first) * BLOCK_M * BLOCK_N, acc, mask=mask)
-            tl.debug_barrier()  # every thread's partial is written before the arrival that publishes them
-            if tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel") == pieces - 1:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for piece in range(pieces):  # from L2: written by other SMs during this kernel
-                    acc += tl.load(slots + piece * BLOCK_M * BLOCK_N, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(arrivals_ptr + tile, 0)
-                _epilogue(acc, b_ptr, r_ptr, out_tile, rows, cols, mask, N, stride_rm, stride_rn, stride_om,
-                          stride_on, HAS_BIAS, HAS_RESIDUAL)
-        unit = piece_end
+    acc = stream_dot(x_ptr, w_ptr, rows, cols, M, N, k_slice,
+                     stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT)
+    last = True
+    if SPLITS > 1:
+        tile = group * tl.num_programs(0) + tl.program_id(0)
+        partials = partial_ptr + ((tile * SPLITS * BLOCK_M + rows[:, None]) * BLOCK_N + offs_n[None, :])
+        tl.store(partials + split * BLOCK_M * BLOCK_N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival that publishes them
+        last = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel") == SPLITS - 1
+        if last:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for other in range(SPLITS):  # from L2: written by other SMs during this kernel
+                acc += tl.load(partials + other * BLOCK_M * BLOCK_N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrivals_ptr + tile, 0)
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if HAS_RESIDUAL:
+            residual = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0)
+            acc += residual.to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def split_count(tiles: int, k: int, num_sms: int) -> int:
@@ -129,15 +97,6 @@ def split_count(tiles: int, k: int, num_sms: int) -> int:
     return max(1, min(num_sms // tiles, k // KSPLIT_MIN, MAX_SPLITS))
 
 
-def stream_k(tiles: int, num_sms: int) -> bool:
-    """Whether a projection whose output tiles leave a tenth of the SMs idle or more runs one program an SM, each an
-    equal share of all the tiles' K steps (stream-K: Phi-3's 96 tiles of 3072 columns leave 36 of 132 SMs idle, and
-    equal slices of each tile would not come out even; Llama-3.1-8B's 128 would gain 3% of the SMs for the pieces'
-    partial sums). ``OPTIQ_STREAM_K=1`` turns it on, to measure it against split_count's equal slices."""
-    return 10 * tiles <= 9 * num_sms and os.environ.get("OPTIQ_STREAM_K", "0") == "1" \
-        and os.environ.get("OPTIQ_SPLIT_K", "1") != "0"
-
-
 def tile_config(n: int, k: int, device: torch.device, rows: int = 1, itemsize: int = 2) -> dict:
     """Tiles from the shapes, as measured on the H200 and H100 (scripts/tiles.py linear, 4 warps always ahead of 8):
     32 output columns per program from 2048 columns up, or past 8 rows (where x's re-reads through L2 count), else
@@ -146,15 +105,11 @@ def tile_config(n: int, k: int, device: torch.device, rows: int = 1, itemsize: i
     K slice spans four tiles or more. When the programs outnumber the SMs, K tiles of 128 wherever their four stages
     let all of an SM's programs stay resident together: 256-wide ones left Phi-3's QKV (three programs an SM) 16%
     slower and DeepSeek-V4's grouped output projection (two an SM) a third slower, and cost Llama's QKV (one or two an
-    SM) under 3%. Else 256: an LM head's thousands of programs run in waves whatever the tile; and under stream-K,
-    whose shares of K steps come out more even the narrower the step.
-
-    SPLITS is the programs a tile's K is cut among (whole K tiles each); STREAM, one program an SM instead."""
+    SM) under 3%. Else 256: an LM head's thousands of programs run in waves whatever the tile."""
     num_sms = multiprocessor_count(device)
     block_n = 32 if n >= 2048 or rows > 8 or split_count(triton.cdiv(n, 16), k, num_sms) > 1 else 16
     tiles = triton.cdiv(n, block_n)
-    stream = stream_k(tiles, num_sms)
-    splits = 1 if stream else split_count(tiles, k, num_sms)
+    splits = split_count(tiles, k, num_sms)
     # Past 16 rows (which the product hands to cuBLAS; scripts/tiles.py times the kernel there, to find where it
     # should take over): one 64-row x tile, whose K tiles of 128 keep three stages within shared memory
     if rows > 16:
@@ -163,20 +118,15 @@ def tile_config(n: int, k: int, device: torch.device, rows: int = 1, itemsize: i
         block_m, stages = 16, 4
         per_sm = triton.cdiv(tiles * splits, num_sms)  # programs an SM holds in one wave
         resident = per_sm * stages * (16 + block_n) * 128 * itemsize <= shared_memory_per_multiprocessor(device)
-        block_k = 256 if stream else 512 if k // splits >= 4 * 512 and per_sm == 1 else \
-            128 if per_sm > 1 and resident else 256
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=min(splits, triton.cdiv(k, block_k)),
-                STREAM=stream, num_warps=4, num_stages=stages)
+        block_k = 512 if k // splits >= 4 * 512 and per_sm == 1 else 128 if per_sm > 1 and resident else 256
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=k_slices(k, splits, block_k)[1],
+                num_warps=4, num_stages=stages)
 
 
-def program_count(tiles: int, iters: int, config: dict, num_sms: int, arrival_slots: int) -> int:
-    """Programs for ``tiles`` output tiles of ``iters`` K tiles each: one a tile, SPLITS a tile, or under STREAM one an
-    SM (no more than there are K tiles); one a tile when the tiles outnumber the arrival counters."""
-    if tiles > arrival_slots:
-        return tiles
-    if config["STREAM"] and tiles < num_sms:
-        return min(num_sms, tiles * iters)
-    return tiles * min(config["SPLITS"], iters)
+def k_slices(k: int, splits: int, block_k: int) -> tuple[int, int]:
+    """(slice width, slices): ``splits`` slices of whole K tiles each, as many as that leaves (none empty)."""
+    width = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    return width, triton.cdiv(k, width)
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
@@ -212,23 +162,18 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out3d = out.view(rows, groups, n)
     r2d = residual.reshape(rows, n) if residual is not None else out3d[:, 0]
     config = tile_config(groups * n, k, x.device, rows, x.element_size())  # the programs of every group share SMs
-    tiles = groups * triton.cdiv(n, config["BLOCK_N"])
-    iters = triton.cdiv(k, config["BLOCK_K"])
-    programs = program_count(tiles, iters, config, multiprocessor_count(x.device), arrivals.numel())
-    # a tile's pieces: one more than its K tiles over the fewest any program takes
-    max_pieces = 1 if programs == tiles else triton.cdiv(iters, tiles * iters // programs) + 1
-    launch = launch_options(x, programs=programs)
-    partials = torch.empty((tiles * max_pieces * config["BLOCK_M"] * config["BLOCK_N"],) if max_pieces > 1 else (1,),
+    tiles = triton.cdiv(n, config["BLOCK_N"])
+    k_per_split, splits = k_slices(k, config["SPLITS"] if groups * tiles <= arrivals.numel() else 1, config["BLOCK_K"])
+    launch = launch_options(x, programs=groups * tiles * splits)
+    partials = torch.empty((groups * tiles * splits * config["BLOCK_M"] * config["BLOCK_N"],) if splits > 1 else (1,),
                            dtype=torch.float32, device=x.device)
-    kernel_config = {name: value for name, value in config.items() if name not in ("SPLITS", "STREAM")}
-    torch.library.wrap_triton(_linear_kernel)[(programs,)](
-        x3d, weight, bias if bias is not None else weight, r2d, out3d, partials, arrivals, rows, n, k, tiles, iters,
+    torch.library.wrap_triton(_linear_kernel)[(tiles, groups, splits)](
+        x3d, weight, bias if bias is not None else weight, r2d, out3d, partials, arrivals, rows, n, k, k_per_split,
         x3d.stride(0), x3d.stride(2), *weight.stride(), *r2d.stride(), out3d.stride(0), out3d.stride(2),
         x3d.stride(1), n * weight.stride(0), out3d.stride(1),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, FP32_DOT=fp32_dot(x.dtype),
-        MAX_PIECES=max_pieces, **kernel_config, **launch,
-        **prefetch_options(launch, config["BLOCK_N"], triton.cdiv(tiles * iters, programs) * config["BLOCK_K"],
-                           weight.element_size()),
+        **{**config, "SPLITS": splits}, **launch,
+        **prefetch_options(launch, config["BLOCK_N"], k_per_split, weight.element_size()),
     )
     return out
 

@@ -96,51 +96,6 @@ def test_split_k_sums_every_slice_once(request, poisoned_empty, monkeypatch, row
     assert torch.equal(linear(x, weight, bias, residual), got)
 
 
-@pytest.mark.parametrize("sms", [4, 8])
-@pytest.mark.parametrize("rows", [1, 5, DECODE_ROWS])
-@pytest.mark.parametrize("extras", ["bias", "residual"])
-def test_stream_k_shares_out_every_k_step_once(request, poisoned_empty, monkeypatch, sms, rows, extras):
-    """One program an SM, each an equal share of the tiles' 256-wide K steps (three a tile): at one row on 4 SMs
-    three 16-column tiles, one cut in two, one a program spans two tiles' pieces of, one whole; on 8 SMs (or past 8
-    rows, in 32-column tiles) tiles cut in pieces of a step. The float64 product with the bias or residual added once,
-    the counters left at zero, the same bits at every call; and a grouped projection likewise."""
-    monkeypatch.setenv("OPTIQ_STREAM_K", "1")
-    monkeypatch.setattr(linear_module, "multiprocessor_count", lambda device: sms)
-    config = linear_module.tile_config(40, 600, torch.device(SMALL_DEVICE), rows)
-    tiles = -(-40 // config["BLOCK_N"])
-    assert config["STREAM"] and config["BLOCK_K"] == 256
-    assert linear_module.program_count(tiles, 3, config, sms, 1 << 16) == min(sms, 3 * tiles)
-    x, weight, bias = make_inputs(seed_of(request), (rows,), 600, 40, torch.float32, SMALL_DEVICE, extras == "bias")
-    residual = torch.randn(rows, 40, generator=torch.Generator().manual_seed(rows)).to(SMALL_DEVICE)
-    residual = residual if extras == "residual" else None
-    got = linear(x, weight, bias, residual)
-    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    want = want if residual is None else want + residual.double()
-    torch.testing.assert_close(got.double(), want, rtol=TOLERANCES[torch.float32], atol=TOLERANCES[torch.float32])
-    assert not arrival_counters(x.device).any()
-    assert torch.equal(linear(x, weight, bias, residual), got)
-    grouped_x, grouped_w, _ = make_inputs(seed_of(request) + 1, (rows, 3), 600, 60, torch.float32, SMALL_DEVICE, False)
-    torch.testing.assert_close(grouped_linear(grouped_x, grouped_w, 3).double(),
-                               grouped_linear_reference(grouped_x.double(), grouped_w.double(), 3),
-                               rtol=TOLERANCES[torch.float32], atol=TOLERANCES[torch.float32])
-
-
-def test_stream_k_only_where_tiles_leave_sms_idle(monkeypatch):
-    """With the knob on, Phi-3's o_proj (96 tiles) and qwen3-0.6b's (32) run one program an SM over 256-wide K
-    steps; Llama-3.1-8B's down_proj (128 tiles of 32 columns, 3% of the SMs idle) and an LM head keep a program a
-    tile; off, the equal slices of split_count."""
-    monkeypatch.setattr(linear_module, "multiprocessor_count", lambda device: 132)
-    cuda_like = torch.device("cpu")
-    assert not linear_module.tile_config(3072, 3072, cuda_like)["STREAM"]
-    monkeypatch.setenv("OPTIQ_STREAM_K", "1")
-    phi_o_proj = linear_module.tile_config(3072, 3072, cuda_like)
-    assert phi_o_proj["STREAM"] and phi_o_proj["BLOCK_K"] == 256
-    assert linear_module.program_count(96, 12, phi_o_proj, 132, 1 << 16) == 132
-    assert linear_module.tile_config(1024, 2048, cuda_like)["STREAM"]
-    assert not linear_module.tile_config(4096, 14336, cuda_like)["STREAM"]
-    assert not linear_module.tile_config(128256, 2048, cuda_like)["STREAM"]
-
-
 def test_split_count_fills_idle_sms_only(monkeypatch):
     """On 132 SMs: qwen3-0.6b's o_proj and down_proj (1024 columns) and Gemma-3-1B's down_proj (1152) are cut in K into
     32-column tiles, as many slices as leave every program an SM of its own; a projection whose tiles fill two thirds
@@ -253,25 +208,6 @@ def test_grouped_projections_cuda(rows):
         torch.testing.assert_close(got.double(), block_diagonal(x, weight, groups), rtol=1e-2, atol=1e-2)
         assert_graph_replay_and_compile(lambda: grouped_linear(x, weight, groups),
                                         lambda: x.copy_(torch.randn_like(x)))
-
-
-@needs_cuda
-@pytest.mark.parametrize("projection", ["phi-3-mini o_proj", "phi-3-mini down_proj", "llama-3.2-1b qkv",
-                                        "qwen3-0.6b o_proj"])
-@pytest.mark.parametrize("rows", [1, 16])
-def test_stream_k_preset_projections_cuda(monkeypatch, projection, rows):
-    """Stream-K on the GPU at the presets' shapes that leave SMs idle, with a residual, replayed in a CUDA graph and
-    compiled; the counters left at zero."""
-    monkeypatch.setenv("OPTIQ_STREAM_K", "1")
-    k, n = PROJECTIONS[projection]
-    x, weight, _ = make_inputs(rows + k + n, (rows,), k, n, torch.bfloat16, "cuda", bias=False)
-    residual = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-    got = linear(x, weight, residual=residual)
-    want = F.linear(x.double(), weight.double()) + residual.double()
-    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
-    assert not arrival_counters(x.device).any()
-    assert_graph_replay_and_compile(lambda: linear(x, weight, residual=residual),
-                                    lambda: x.copy_(torch.randn_like(x)))
 
 
 @needs_cuda
