@@ -1,4 +1,4 @@
-"""Rotary embedding of q and k in one launch, in place, HF's half-split layout.
+"""Rotary embedding of q and k in one launch, in place, in the layouts transformers' models use.
 
 Eager HF runs `q * cos + rotate_half(q) * sin` (and the same for k) as about ten small kernels per layer, each
 re-reading its input; at decode these are pure launch overhead. This fusion does it in one launch, with two options
@@ -8,6 +8,12 @@ folded into the same kernel:
   weight is an offset from one (`offset`: the fp32 statistics times 1 + w, rounded once, as Gemma's norm rounds);
 - writing the rotated k and the v straight into a static KV cache at per-sequence positions (what HF's
   `StaticCache.update` does with two `index_copy_` calls).
+
+The layout is four switches, each a variant some model's `apply_rotary_pos_emb` computes: which channels pair up
+(channel i with i + D/2, Llama's `rotate_half`, or 2i with 2i + 1, Cohere's and GLM's), which column of cos and sin
+turns a channel (its own, or one per pair, the pair's index: GPT-OSS's half-width cos, Helium's repeat-interleaved
+first half), the sense of the turn (NanoChat's rotate_half turns the other way), and whether the products are rounded
+to the model dtype as eager bf16 ops round them or kept in fp32 and rounded once (Cohere, ERNIE cast q to float).
 
 Every intermediate is rounded to the model dtype where HF's eager code rounds it, except that on the GPU the compiler
 folds the first product's rounding into an FMA with the difference (measured on the H200: ~23% of elements differ from
@@ -29,29 +35,56 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _pair_channels(offs, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The two channels of each pair offs: (i, i + D/2), or (2i, 2i + 1) when INTERLEAVED."""
+    if INTERLEAVED:
+        first = 2 * offs
+        second = first + 1
+    else:
+        first = offs
+        second = offs + HEAD_DIM // 2
+    return first, second
+
+
+@triton.jit
+def _rounded_product(a, b, dtype: tl.constexpr, FP32: tl.constexpr):
+    """a * b as the model's eager code leaves it: rounded to the model dtype, or in fp32 (FP32)."""
+    product = a * b
+    if not FP32:
+        product = _round(product, dtype)
+    return product
+
+
+@triton.jit
 def _rotate_heads(x_ptr, stride_h, stride_d, heads, head_mask, w_ptr, cos1, cos2, sin1, sin2, eps, offs, mask,
-                  HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, OFFSET: tl.constexpr):
-    """Norm (optionally) and rotate a block of head vectors in place; return their rotated halves [heads, half]
-    (fp32, model-dtype values)."""
-    half: tl.constexpr = HEAD_DIM // 2
+                  HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr,
+                  CLOCKWISE: tl.constexpr, FP32: tl.constexpr):
+    """Norm (optionally) and rotate a block of head vectors in place; return the rotated channels of each pair
+    [heads, pairs] (fp32, model-dtype values)."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     tile_mask = head_mask[:, None] & mask[None, :]
-    first = x_ptr + heads[:, None] * stride_h + offs[None, :] * stride_d
-    second = first + half * stride_d
+    channel1, channel2 = _pair_channels(offs, HEAD_DIM, INTERLEAVED)
+    first = x_ptr + heads[:, None] * stride_h + channel1[None, :] * stride_d
+    second = x_ptr + heads[:, None] * stride_h + channel2[None, :] * stride_d
     x1 = tl.load(first, mask=tile_mask, other=0.0).to(tl.float32)
     x2 = tl.load(second, mask=tile_mask, other=0.0).to(tl.float32)
     if QK_NORM:
         rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
-        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)[None, :]
+        w1 = tl.load(w_ptr + channel1, mask=mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + channel2, mask=mask, other=0.0).to(tl.float32)[None, :]
         if OFFSET:
             x1 = _round((1.0 + w1) * (x1 * rstd), dtype)
             x2 = _round((1.0 + w2) * (x2 * rstd), dtype)
         else:
             x1 = _round(w1 * _round(x1 * rstd, dtype), dtype)
             x2 = _round(w2 * _round(x2 * rstd, dtype), dtype)
-    out1 = _round(x1 * cos1, dtype) - _round(x2 * sin1, dtype)
-    out2 = _round(x2 * cos2, dtype) + _round(x1 * sin2, dtype)
+    if CLOCKWISE:
+        out1 = _rounded_product(x1, cos1, dtype, FP32) + _rounded_product(x2, sin1, dtype, FP32)
+        out2 = _rounded_product(x2, cos2, dtype, FP32) - _rounded_product(x1, sin2, dtype, FP32)
+    else:
+        out1 = _rounded_product(x1, cos1, dtype, FP32) - _rounded_product(x2, sin1, dtype, FP32)
+        out2 = _rounded_product(x2, cos2, dtype, FP32) + _rounded_product(x1, sin2, dtype, FP32)
+    out1, out2 = _round(out1, dtype), _round(out2, dtype)
     tl.store(first, out1.to(dtype), mask=tile_mask)
     tl.store(second, out2.to(dtype), mask=tile_mask)
     return out1, out2
@@ -69,8 +102,8 @@ def _rope_kernel(
     stride_kcb, stride_kch, stride_kcl, stride_kcd,
     stride_vcb, stride_vch, stride_vcl, stride_vcd,
     HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, HEADS: tl.constexpr, QK_NORM: tl.constexpr,
-    OFFSET: tl.constexpr, WRITE_CACHE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    OFFSET: tl.constexpr, WRITE_CACHE: tl.constexpr, INTERLEAVED: tl.constexpr, PAIR_ANGLES: tl.constexpr,
+    CLOCKWISE: tl.constexpr, FP32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (token, block of HEADS heads): the first cdiv(num_q_heads, HEADS) blocks are q's, the rest
     k's (a block never mixes the two)."""
@@ -86,37 +119,44 @@ def _rope_kernel(
 
     cos_row = cos_ptr + b * stride_cb + s * stride_cs
     sin_row = sin_ptr + b * stride_sb + s * stride_ss
-    cos1 = tl.load(cos_row + offs * stride_cd, mask=mask, other=0.0).to(tl.float32)[None, :]
-    cos2 = tl.load(cos_row + (offs + half) * stride_cd, mask=mask, other=0.0).to(tl.float32)[None, :]
-    sin1 = tl.load(sin_row + offs * stride_sd, mask=mask, other=0.0).to(tl.float32)[None, :]
-    sin2 = tl.load(sin_row + (offs + half) * stride_sd, mask=mask, other=0.0).to(tl.float32)[None, :]
+    channel1, channel2 = _pair_channels(offs, HEAD_DIM, INTERLEAVED)
+    if PAIR_ANGLES:
+        column1 = offs
+        column2 = offs
+    else:
+        column1 = channel1
+        column2 = channel2
+    cos1 = tl.load(cos_row + column1 * stride_cd, mask=mask, other=0.0).to(tl.float32)[None, :]
+    cos2 = tl.load(cos_row + column2 * stride_cd, mask=mask, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(sin_row + column1 * stride_sd, mask=mask, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_row + column2 * stride_sd, mask=mask, other=0.0).to(tl.float32)[None, :]
 
     if block < q_blocks:
         heads = block * HEADS + tl.arange(0, HEADS)
         _rotate_heads(q_ptr + b * stride_qb + s * stride_qs, stride_qh, stride_qd, heads, heads < num_q_heads,
-                      q_norm_ptr, cos1, cos2, sin1, sin2, eps, offs, mask, HEAD_DIM, QK_NORM, OFFSET)
+                      q_norm_ptr, cos1, cos2, sin1, sin2, eps, offs, mask, HEAD_DIM, QK_NORM, OFFSET,
+                      INTERLEAVED, CLOCKWISE, FP32)
     else:
         heads = (block - q_blocks) * HEADS + tl.arange(0, HEADS)
         head_mask = heads < num_kv_heads
         k1, k2 = _rotate_heads(k_ptr + b * stride_kb + s * stride_ks, stride_kh, stride_kd, heads, head_mask,
-                               k_norm_ptr, cos1, cos2, sin1, sin2, eps, offs, mask, HEAD_DIM, QK_NORM, OFFSET)
+                               k_norm_ptr, cos1, cos2, sin1, sin2, eps, offs, mask, HEAD_DIM, QK_NORM, OFFSET,
+                               INTERLEAVED, CLOCKWISE, FP32)
         if WRITE_CACHE:
             pos = tl.load(positions_ptr + b * stride_pb) + s
             # Memory safety only: a position past the cache is dropped (checking it would need a host sync).
             in_cache = tl.full((HEADS, HALF_BLOCK), pos, tl.int64) < cache_len
             cache_mask = head_mask[:, None] & mask[None, :] & in_cache
-            kc = (k_cache_ptr + b * stride_kcb + pos * stride_kcl + heads[:, None] * stride_kch
-                  + offs[None, :] * stride_kcd)
-            tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=cache_mask)
-            tl.store(kc + half * stride_kcd, k2.to(k_cache_ptr.dtype.element_ty), mask=cache_mask)
-            v_head = v_ptr + b * stride_vb + s * stride_vs + heads[:, None] * stride_vh + offs[None, :] * stride_vd
-            vc = (v_cache_ptr + b * stride_vcb + pos * stride_vcl + heads[:, None] * stride_vch
-                  + offs[None, :] * stride_vcd)
+            kc = k_cache_ptr + b * stride_kcb + pos * stride_kcl + heads[:, None] * stride_kch
+            tl.store(kc + channel1[None, :] * stride_kcd, k1.to(k_cache_ptr.dtype.element_ty), mask=cache_mask)
+            tl.store(kc + channel2[None, :] * stride_kcd, k2.to(k_cache_ptr.dtype.element_ty), mask=cache_mask)
+            v_head = v_ptr + b * stride_vb + s * stride_vs + heads[:, None] * stride_vh
+            vc = v_cache_ptr + b * stride_vcb + pos * stride_vcl + heads[:, None] * stride_vch
             tile_mask = head_mask[:, None] & mask[None, :]
-            v1 = tl.load(v_head, mask=tile_mask)
-            v2 = tl.load(v_head + half * stride_vd, mask=tile_mask)
-            tl.store(vc, v1.to(v_cache_ptr.dtype.element_ty), mask=cache_mask)
-            tl.store(vc + half * stride_vcd, v2.to(v_cache_ptr.dtype.element_ty), mask=cache_mask)
+            v1 = tl.load(v_head + channel1[None, :] * stride_vd, mask=tile_mask)
+            v2 = tl.load(v_head + channel2[None, :] * stride_vd, mask=tile_mask)
+            tl.store(vc + channel1[None, :] * stride_vcd, v1.to(v_cache_ptr.dtype.element_ty), mask=cache_mask)
+            tl.store(vc + channel2[None, :] * stride_vcd, v2.to(v_cache_ptr.dtype.element_ty), mask=cache_mask)
 
 
 def heads_per_program(num_q_heads: int, num_kv_heads: int, half_block: int) -> int:
@@ -126,7 +166,11 @@ def heads_per_program(num_q_heads: int, num_kv_heads: int, half_block: int) -> i
     return min(triton.next_power_of_2(max(num_q_heads, num_kv_heads)), max(1, 512 // half_block))
 
 
-def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions, offset) -> None:
+LAYOUT_SWITCHES = ("interleaved", "pair_angles", "clockwise", "fp32")  # rope()'s layout keywords, bit i of ``layout``
+
+
+def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions, offset,
+            layout) -> None:
     batch, num_q_heads, seq_len, head_dim = q.shape
     num_kv_heads = k.shape[1]
     qk_norm = q_norm_weight is not None
@@ -135,8 +179,9 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
     q_norm_weight = q_norm_weight.contiguous() if qk_norm else q
     k_norm_weight = k_norm_weight.contiguous() if qk_norm else q
     v, k_cache, v_cache, positions = (v, k_cache, v_cache, positions) if write_cache else (q, q, q, q)
-    cos = cos.expand(batch, seq_len, head_dim)  # HF may hand one row of cos/sin for the whole batch
-    sin = sin.expand(batch, seq_len, head_dim)
+    cos = cos.expand(batch, seq_len, cos.shape[-1])  # HF may hand one row of cos/sin for the whole batch
+    sin = sin.expand(batch, seq_len, sin.shape[-1])
+    switches = {name.upper(): bool(layout >> bit & 1) for bit, name in enumerate(LAYOUT_SWITCHES)}
     half_block = triton.next_power_of_2(head_dim // 2)
     heads = heads_per_program(num_q_heads, num_kv_heads, half_block)
     grid = (batch * seq_len, triton.cdiv(num_q_heads, heads) + triton.cdiv(num_kv_heads, heads))
@@ -146,7 +191,7 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=head_dim, HALF_BLOCK=half_block, HEADS=heads, QK_NORM=qk_norm,
         OFFSET=offset, WRITE_CACHE=write_cache, num_warps=max(1, min(4, heads * half_block // 128)),
-        **launch_options(q),
+        **switches, **launch_options(q),
     )
 
 
@@ -155,16 +200,16 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
 @torch.library.triton_op("optiq::rope", mutates_args={"q", "k"})
 def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-             eps: float = 1e-6, offset: bool = False) -> None:
-    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, None, None, None, None, offset)
+             eps: float = 1e-6, offset: bool = False, layout: int = 0) -> None:
+    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, None, None, None, None, offset, layout)
 
 
 @torch.library.triton_op("optiq::rope_cached", mutates_args={"q", "k", "k_cache", "v_cache"})
 def _rope_cached_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                    eps: float = 1e-6, offset: bool = False) -> None:
-    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions, offset)
+                    eps: float = 1e-6, offset: bool = False, layout: int = 0) -> None:
+    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions, offset, layout)
 
 
 def rope(
@@ -180,23 +225,37 @@ def rope(
     v_cache: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     offset: bool = False,
+    *,
+    interleaved: bool = False,
+    pair_angles: bool = False,
+    clockwise: bool = False,
+    fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [B, Hq, S, D] and k [B, Hkv, S, D] in place (any strides) and return them.
 
-    cos, sin: [B or 1, S, D] as HF's rotary module makes them. With q_norm_weight and k_norm_weight ([D]), Qwen3's
-    per-head RMSNorm with `eps` runs first (Gemma 3's, scaling by 1 + w, with `offset`). With k_cache, v_cache [B, Hkv, L, D], positions [B] (int64, the cache
-    slot of each sequence's first token; any stride, so a static cache's one fill counter expanded to [B] serves)
-    and v [B, Hkv, S, D], token s of sequence b also lands in the cache at slot positions[b] + s.
+    cos, sin: [B or 1, S, D] as HF's rotary module makes them ([B or 1, S, D/2] or wider with ``pair_angles``, whose
+    pair i turns by column i). By default Llama's layout: channel i pairs with i + D/2, x1 cos - x2 sin and
+    x2 cos + x1 sin, each product rounded to the model dtype; ``interleaved`` pairs 2i with 2i + 1, ``clockwise``
+    turns the other way, ``fp32`` keeps the products in fp32 and rounds once. With q_norm_weight and k_norm_weight
+    ([D]), Qwen3's per-head RMSNorm with `eps` runs first (Gemma 3's, scaling by 1 + w, with `offset`). With k_cache,
+    v_cache [B, Hkv, L, D], positions [B] (int64, the cache slot of each sequence's first token; any stride, so a
+    static cache's one fill counter expanded to [B] serves) and v [B, Hkv, S, D], token s of sequence b also lands in
+    the cache at slot positions[b] + s.
     """
+    head_dim = q.shape[-1]
+    if head_dim % 2 or cos.shape[-1] < (head_dim // 2 if pair_angles else head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} do not turn heads of {head_dim}"
+                         f"{' by pairs' if pair_angles else ''}")
+    layout = sum(1 << bit for bit, on in enumerate((interleaved, pair_angles, clockwise, fp32)) if on)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
     if len({x is None for x in (v, k_cache, v_cache, positions)}) != 1:
         raise ValueError("give all of v, k_cache, v_cache and positions, or none")
     if k_cache is None:
-        torch.ops.optiq.rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset)
+        torch.ops.optiq.rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset, layout)
     else:
         torch.ops.optiq.rope_cached(q, k, cos, sin, v, k_cache, v_cache, positions, q_norm_weight, k_norm_weight, eps,
-                                    offset)
+                                    offset, layout)
     return q, k
 
 
@@ -274,17 +333,32 @@ def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offse
     return weight * normed.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _pairs(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and second channels of every pair along the last dim."""
+    return (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
 
 
-def _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset=False):
+def _turn(x, cos, sin, interleaved=False, pair_angles=False, clockwise=False, fp32=False):
+    """One tensor [B, H, S, D] turned as an eager model's apply_rotary_pos_emb does it in the given layout
+    (``rope``'s keywords), cos and sin already unsqueezed to [B, 1, S, ...]."""
+    x1, x2 = _pairs(x.float() if fp32 and x.dtype != torch.float64 else x, interleaved)
+    if pair_angles:
+        (cos1, cos2), (sin1, sin2) = (cos[..., :x1.shape[-1]],) * 2, (sin[..., :x1.shape[-1]],) * 2
+    else:
+        (cos1, cos2), (sin1, sin2) = _pairs(cos[..., :x.shape[-1]], interleaved), _pairs(sin[..., :x.shape[-1]],
+                                                                                           interleaved)
+    sense = -1 if clockwise else 1
+    out1, out2 = x1 * cos1 - sense * (x2 * sin1), x2 * cos2 + sense * (x1 * sin2)
+    out = torch.stack((out1, out2), dim=-1).flatten(-2) if interleaved else torch.cat((out1, out2), dim=-1)
+    return out.to(x.dtype)
+
+
+def _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset=False, **layout):
     """HF's attention forward from the projections to the rotated q, k (apply_rotary_pos_emb, unsqueeze_dim=1)."""
     if q_norm_weight is not None:
         q, k = (_rms_norm_reference(x, w, eps, offset) for x, w in ((q, q_norm_weight), (k, k_norm_weight)))
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+    return _turn(q, cos, sin, **layout), _turn(k, cos, sin, **layout)
 
 
 def rope_reference(
@@ -300,9 +374,10 @@ def rope_reference(
     v_cache: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     offset: bool = False,
+    **layout: bool,
 ) -> tuple[torch.Tensor, ...]:
-    """Out of place: (q, k) or, with a cache, (q, k, k_cache, v_cache) as new tensors."""
-    q_out, k_out = _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset)
+    """Out of place: (q, k) or, with a cache, (q, k, k_cache, v_cache) as new tensors; ``layout`` as rope's."""
+    q_out, k_out = _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset, **layout)
     if k_cache is None:
         return q_out, k_out
     k_cache, v_cache = k_cache.clone(), v_cache.clone()

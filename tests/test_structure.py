@@ -2,6 +2,9 @@
 projections apart or fused, SwiGLU or GeGLU; and models the catalog was not written for get recipes that the gate
 then keeps (or rolls back, for a kernel wrong on them)."""
 
+import importlib
+from dataclasses import astuple
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV4Config, Gemma3TextConfig, Phi3Config
@@ -16,9 +19,11 @@ from optiq.gate import GatePlan, validate
 from optiq.gate.mutants import verify
 from optiq.models import load_model
 from optiq.patching import apply, unpatch
+from optiq.patching.replacements import rope as rope_replacements
 from optiq.patching.replacements.indexer import indexer_scores_forward
-from optiq.patching.structure import (SwigluExpertsSite, gated_mlp, grouped_linear, hyper_connection, indexer_scorer,
-                                      pre_norm_decoder_layer, rms_norm, sandwich_norm_decoder_layer, swiglu_experts)
+from optiq.patching.structure import (RotaryLayout, SwigluExpertsSite, gated_mlp, grouped_linear, hyper_connection,
+                                      indexer_scorer, pre_norm_decoder_layer, rms_norm, rotary_layout,
+                                      sandwich_norm_decoder_layer, swiglu_experts)
 
 from wrong_kernels import user_recipe
 
@@ -125,6 +130,12 @@ def test_a_recipe_whose_sites_never_run_in_decode_is_rolled_back_not_passed():
 
 @pytest.mark.parametrize("spec, names", [
     ("tiny:gpt_neox", ["rope", "decode_attention"]),  # partial rotary: a quarter of each head rotated
+    ("tiny:glm", ["rope"]),  # half of each head, interleaved pairs, one angle a pair
+    ("tiny:cohere", ["rope"]),  # interleaved pairs, each channel its own column, in fp32
+    ("tiny:helium", ["rope"]),  # interleaved pairs turned by the first half of cos
+    ("tiny:nanochat", ["rope"]),  # turned the other way
+    ("tiny:gpt_oss", ["attention_prologue"]),  # cos half a head wide, one angle a pair
+    ("tiny:ernie4_5", ["attention_prologue"]),  # interleaved pairs, one angle a pair, in fp32
 ])
 def test_variants_the_kernels_handle_pass_the_gate(spec, names):
     model = load_model(spec, torch.float32, torch.device("cpu"))
@@ -141,7 +152,7 @@ def test_variants_the_kernels_handle_pass_the_gate(spec, names):
 
 @pytest.mark.parametrize("spec, name", [
     ("tiny:glm4_moe_lite", "decode_attention"),  # MLA values narrower than keys: every call goes to sdpa
-    ("tiny:gpt_oss", "attention_prologue"),  # cos and sin half a head wide: every call goes to the module's own
+    ("tiny:glm", "attention_prologue"),  # half of each head rotated: every call goes to the module's own
 ])
 def test_a_recipe_whose_kernel_never_runs_is_rolled_back_not_kept(spec, name):
     """Sites found, every call handed back to the original path: the gate passes each call exactly and still keeps
@@ -155,6 +166,37 @@ def test_a_recipe_whose_kernel_never_runs_is_rolled_back_not_kept(spec, name):
         unpatch(model)
     assert report.rolled_back == [name]
     assert "its kernel ran at none of its" in report.recipes[name].reason, report.recipes[name].reason
+
+
+@pytest.mark.parametrize("module, layout", [
+    ("llama", (64, False, False, False, False)), ("cohere", (64, True, False, False, True)),
+    ("helium", (64, True, True, False, False)), ("ernie4_5", (64, True, True, False, True)),
+    ("nanochat", (64, False, False, True, False)), ("gpt_oss", None), ("codegen", None),
+])
+def test_rotary_layouts_are_found_by_what_the_function_computes(module, layout):
+    """transformers' apply_rotary_pos_emb variants at heads of 64 by full-width cos in bf16: Llama's, Cohere's
+    interleaved pairs in fp32, Helium's pairs by the first half of cos, ERNIE's in fp32, NanoChat's other sense; none
+    for GPT-OSS's (its cos is half a head wide) or GPT-J-style codegen's (sin before cos). GPT-OSS's at half width, GLM's
+    partial rotary and Phi-3's at the widths they take."""
+    function = importlib.import_module(f"transformers.models.{module}.modeling_{module}").apply_rotary_pos_emb
+    found = rotary_layout(function, 64, 64, torch.bfloat16)
+    assert (found and astuple(found)) == layout
+    oss = importlib.import_module("transformers.models.gpt_oss.modeling_gpt_oss").apply_rotary_pos_emb
+    glm = importlib.import_module("transformers.models.glm.modeling_glm").apply_rotary_pos_emb
+    assert astuple(rotary_layout(oss, 64, 32, torch.bfloat16)) == (64, False, True, False, False)
+    assert astuple(rotary_layout(glm, 64, 32, torch.float32)) == (32, True, True, False, False)
+
+
+def test_a_wrong_layout_is_rolled_back_by_the_gate(monkeypatch):
+    """Cohere's rotation run as Llama's (a probe that got the layout wrong): the gate rolls rope back."""
+    monkeypatch.setattr(rope_replacements, "rotary_layout", lambda *args: RotaryLayout(16, *[False] * 4))
+    model = load_model("tiny:cohere", torch.float32, torch.device("cpu"))
+    patches = apply(model, [load_catalog()["rope"]])
+    try:
+        report = validate(patches, GatePlan((2,), steps=3, prompt_len=5))
+    finally:
+        unpatch(model)
+    assert report.rolled_back == ["rope"] and "error" in report.recipes["rope"].reason, report.recipes["rope"]
 
 
 @pytest.mark.parametrize("spec, variants", [

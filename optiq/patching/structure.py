@@ -10,6 +10,7 @@ but computes something else (another normalisation, an extra scale) does not mat
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from dataclasses import dataclass, replace
 
@@ -363,6 +364,93 @@ def takes_first(function, parameters: tuple[str, ...]) -> bool:
     except (TypeError, ValueError):
         return False
     return names[:len(parameters)] == parameters
+
+
+@dataclass(frozen=True)
+class RotaryLayout:
+    """How an ``apply_rotary_pos_emb(q, k, cos, sin)`` turns heads of one width by cos and sin of another: its leading
+    ``rotated`` channels turned (the rest passed through, partial rotary), in the layout rope's switches name."""
+    rotated: int
+    interleaved: bool  # channel 2i pairs with 2i + 1 (Cohere, GLM), not i with i + rotated / 2 (Llama)
+    pair_angles: bool  # pair i turns by column i of cos and sin (GPT-OSS, Helium), not each channel by its own
+    clockwise: bool  # the other sense of turn (NanoChat's rotate_half)
+    fp32: bool  # the products kept in fp32 and rounded once (Cohere's q.float()), not rounded to the model dtype
+
+    def switches(self) -> dict[str, bool]:
+        """The keywords a rope kernel is called with: the switches that are on, so that a kernel written for Llama's
+        layout (a user's, taking q, k, cos, sin alone) is called as before there, and fails elsewhere."""
+        switches = dict(interleaved=self.interleaved, pair_angles=self.pair_angles, clockwise=self.clockwise,
+                        fp32=self.fp32)
+        return {name: True for name, on in switches.items() if on}
+
+
+def _turned(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: RotaryLayout) -> torch.Tensor:
+    """x [B, H, S, D] turned in ``layout`` by cos, sin [B, S, W], with the rounding of the layout's eager code."""
+    head, rest = x[..., :layout.rotated], x[..., layout.rotated:]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    wide = head.float() if layout.fp32 and head.dtype in (torch.bfloat16, torch.float16) else head
+
+    def pairs(t):
+        return (t[..., 0::2], t[..., 1::2]) if layout.interleaved else t.chunk(2, dim=-1)
+
+    x1, x2 = pairs(wide)
+    if layout.pair_angles:
+        (cos1, cos2), (sin1, sin2) = (cos[..., :x1.shape[-1]],) * 2, (sin[..., :x1.shape[-1]],) * 2
+    else:
+        (cos1, cos2), (sin1, sin2) = pairs(cos[..., :layout.rotated]), pairs(sin[..., :layout.rotated])
+    sense = -1 if layout.clockwise else 1
+    out1, out2 = x1 * cos1 - sense * (x2 * sin1), x2 * cos2 + sense * (x1 * sin2)
+    turned = torch.stack((out1, out2), dim=-1).flatten(-2) if layout.interleaved else torch.cat((out1, out2), -1)
+    return torch.cat((turned.to(x.dtype), rest), dim=-1)
+
+
+@functools.lru_cache(maxsize=None)
+def rotary_layout(function, head_dim: int, cos_width: int, dtype: torch.dtype) -> RotaryLayout | None:
+    """The layout in which ``function`` (an ``apply_rotary_pos_emb(q, k, cos, sin)``, a recipe's wrapper unwrapped)
+    turns heads of ``head_dim`` by cos and sin ``cos_width`` wide, or None where no layout rope knows computes what it
+    does. Found on the CPU, once per shape: q, k, cos and sin of random values (not angles: every column its own
+    number, so a channel turned by the wrong column shows) in float64, matched against every layout to 1e-5 (code that
+    casts to float32 computes in it; a wrong pairing, column or sense is off by the values themselves); then
+    in ``dtype`` (bf16, fp16) the rounding, products rounded or kept in fp32, bit for bit as the function rounds."""
+    function = inspect.unwrap(function) if callable(function) else None
+    if function is None or head_dim % 2 or not 0 < cos_width <= 2 * head_dim:
+        return None
+    generator = torch.Generator().manual_seed(0)
+
+    def call(dtype):
+        q, k = (torch.randn(1, 2, 3, head_dim, generator=generator, dtype=torch.float64).to(dtype) for _ in range(2))
+        cos, sin = (torch.randn(1, 3, cos_width, generator=generator, dtype=torch.float64).to(dtype) for _ in range(2))
+        try:
+            with torch.no_grad():
+                got = function(q, k, cos, sin)
+        except Exception:  # noqa: BLE001 - a function of another form is another computation
+            return None
+        if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) and t.shape == x.shape
+                                                                 for t, x in zip(got, (q, k)))):
+            return None
+        return (q, k, cos, sin), got
+
+    probe = call(torch.float64)
+    if probe is None:
+        return None
+    (q, k, cos, sin), got = probe
+    candidates = [RotaryLayout(rotated, interleaved, pair_angles, clockwise, False)
+                  for rotated in sorted({head_dim, cos_width, 2 * cos_width}) if 0 < rotated <= head_dim
+                  and rotated % 2 == 0 for interleaved in (False, True) for pair_angles in (False, True)
+                  for clockwise in (False, True) if cos_width >= (rotated // 2 if pair_angles else rotated)]
+    layout = next((c for c in candidates if all(torch.allclose(_turned(x, cos, sin, c), t, rtol=1e-5, atol=1e-5)
+                                                for x, t in zip((q, k), got))), None)
+    if layout is None or dtype not in (torch.bfloat16, torch.float16):
+        return layout
+    probe = call(dtype)
+    if probe is None:
+        return None
+    (q, k, cos, sin), got = probe
+    for fp32 in (False, True):
+        candidate = replace(layout, fp32=fp32)
+        if all(torch.equal(_turned(x, cos, sin, candidate), t) for x, t in zip((q, k), got)):
+            return candidate
+    return None
 
 
 @dataclass(frozen=True)

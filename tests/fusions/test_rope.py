@@ -20,13 +20,15 @@ class Case:
     """Random inputs laid out as HF's attention forward has them: q, k, v are transposed views of projection outputs."""
 
     def __init__(self, seed, batch, heads_q, heads_kv, seq, head_dim, dtype, device, *, qk_norm=False,
-                 positions=None, cache_len=None, cos_batch=None):
+                 positions=None, cache_len=None, cos_batch=None, layout=None, cos_width=None):
+        self.layout = layout or {}
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.dtype, self.device = dtype, device
         self.projections = [self.randn(batch, seq, heads * head_dim + SPARE) for heads in (heads_q, heads_kv)]
         self.q, self.k = (p[..., :-SPARE].view(batch, seq, -1, head_dim).transpose(1, 2) for p in self.projections)
-        angles = torch.rand(cos_batch or batch, seq, head_dim // 2, generator=self.generator, device=device) * 50
-        angles = torch.cat((angles, angles), dim=-1)
+        angles = torch.rand(cos_batch or batch, seq, cos_width or head_dim // 2, generator=self.generator,
+                            device=device) * 50
+        angles = angles if cos_width else torch.cat((angles, angles), dim=-1)  # Llama's: each half the same
         self.cos, self.sin = angles.cos().to(dtype), angles.sin().to(dtype)
         self.norms = (1 + 0.5 * self.randn(head_dim), 1 + 0.5 * self.randn(head_dim)) if qk_norm else (None, None)
         self.cache = {}
@@ -46,7 +48,8 @@ class Case:
         wide = lambda t: None if t is None else t.double()  # noqa: E731
         cache = {name: t if name == "positions" else wide(t) for name, t in self.cache.items()}
         return rope_reference(wide(self.q), wide(self.k), wide(self.cos if cos is None else cos),
-                              wide(self.sin if sin is None else sin), *map(wide, self.norms), eps, **cache)
+                              wide(self.sin if sin is None else sin), *map(wide, self.norms), eps, **cache,
+                              **self.layout)
 
     def run(self):
         """Poison the cache slots the op must write, run it, and return its results as the reference orders them."""
@@ -56,7 +59,7 @@ class Case:
                 for cache in (self.cache["k_cache"], self.cache["v_cache"]):
                     cache[b, :, start:min(start + seq, cache_len)] = float("nan")
         spare_before = [p[..., -SPARE:].clone() for p in self.projections]
-        q, k = rope(self.q, self.k, self.cos, self.sin, *self.norms, EPS, **self.cache)
+        q, k = rope(self.q, self.k, self.cos, self.sin, *self.norms, EPS, **self.cache, **self.layout)
         assert q is self.q and k is self.k, "rope works in place and returns its q and k"
         for p, before in zip(self.projections, spare_before):
             assert torch.equal(p[..., -SPARE:], before), "wrote outside the q/k views"
@@ -81,6 +84,49 @@ def test_variants_cpu(qk_norm, with_cache):
                 cache_len=7, cos_batch=1 if with_cache else None)
     expected = case.reference()
     assert_matches(case.run(), expected, torch.float32)
+
+
+LAYOUTS = {  # the layouts of transformers' apply_rotary_pos_emb variants, by a model that has each
+    "llama": {}, "cohere": dict(interleaved=True, fp32=True), "helium": dict(interleaved=True, pair_angles=True),
+    "ernie4_5": dict(interleaved=True, pair_angles=True, fp32=True), "gpt_oss": dict(pair_angles=True),
+    "nanochat": dict(clockwise=True), "every switch": dict(interleaved=True, pair_angles=True, clockwise=True, fp32=True),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layouts_cpu(layout, dtype):
+    """Each layout on cos and sin whose every column is its own angle (Llama's repeat theirs, which would hide a
+    channel turned by the wrong column), half as wide as a head for GPT-OSS's, with q/k norms and the cache write:
+    the float64 reference of that layout matched, and in fp32 no other layout's that reads those columns."""
+    case = Case(seed=70, batch=2, heads_q=4, heads_kv=2, seq=1, head_dim=16, dtype=dtype, device="cpu", qk_norm=True,
+                positions=[3, 0], cache_len=5, cos_width=8 if layout == "gpt_oss" else 16)
+    references = {}
+    for name, switches in LAYOUTS.items():
+        if switches.get("pair_angles") or layout != "gpt_oss":
+            case.layout = switches
+            references[name] = case.reference()
+    case.layout = LAYOUTS[layout]
+    results = case.run()
+    assert_matches(results, references[layout], dtype)
+    for other, expected in references.items():
+        if dtype == torch.float32 and {**LAYOUTS[other], "fp32": 0} != {**LAYOUTS[layout], "fp32": 0}:
+            with pytest.raises(AssertionError):
+                assert_matches(results, expected, dtype)
+
+
+@pytest.mark.parametrize("fp32", [False, True])
+def test_rounding_as_the_eager_code_rounds_cpu(fp32):
+    """In fp16, where the interpreter rounds as torch does: products rounded to the model dtype (Llama's eager bf16
+    ops) or kept in fp32 and rounded once (Cohere's q.float()), each bit for bit as that eager code, and not as the
+    other."""
+    case = Case(seed=72, batch=2, heads_q=4, heads_kv=2, seq=1, head_dim=16, dtype=torch.float16, device="cpu",
+                cos_width=16, layout=dict(interleaved=True, fp32=fp32))
+    eager = {wide: rope_reference(case.q.clone(), case.k.clone(), case.cos, case.sin, interleaved=True, fp32=wide)
+             for wide in (False, True)}
+    results = case.run()
+    assert all(torch.equal(got, want) for got, want in zip(results, eager[fp32]))
+    assert not all(torch.equal(got, want) for got, want in zip(results, eager[not fp32]))
 
 
 def test_odd_head_dim_decode_cpu():

@@ -9,7 +9,7 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from optiq.patching.structure import rms_norm, qkv_attention
+from optiq.patching.structure import qkv_attention, rms_norm, rotary_layout
 
 
 def _fused_qkv_weights(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
@@ -89,26 +89,31 @@ def attention_prologue_forward(attn: torch.nn.Module, fusion):
     """HF's llama-family attention forward whose prologue (Q/K/V GEMM, Qwen3's q/k norms, RoPE, the cache write) is
     two launches, when the layer's cache is transformers' static one: the kernel writes k and v at the layer's fill
     counter. The counters advance as StaticLayer.update advances them, but all in one launch, after the last static
-    layer has read its own (one add per layer was a kernel and a launch gap each, 28-32 per decode step). Other
-    caches, and a cache not yet allocated, take the module's own forward."""
+    layer has read its own (one add per layer was a kernel and a launch gap each, 28-32 per decode step). The
+    rotation is the modeling module's ``apply_rotary_pos_emb``, in the layout it turns whole heads in
+    (``structure.rotary_layout``). Other caches, a cache not yet allocated, and a rotation of part of a head or of
+    a layout rope does not know take the module's own forward."""
     weight, bias, sizes = _fused_qkv_weights(attn)
     site = qkv_attention(attn)
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     eps = rms_norm(q_norm).eps_attribute if site.qk_norm else ""
     own_forward = type(attn).forward.__get__(attn)
+    modeling = sys.modules[type(attn).__module__]
 
     def forward(hidden_states: torch.Tensor, position_embeddings, attention_mask=None, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         layers = _static_layers(cache) if cache is not None else []
         layer = cache.layers[attn.layer_idx] if cache is not None else None
         cos, sin = position_embeddings
-        if not any(mine is layer for mine in layers) or cos.shape[-1] != attn.head_dim:  # partial rotary: its own
+        layout = rotary_layout(getattr(modeling, "apply_rotary_pos_emb", None), attn.head_dim, cos.shape[-1],
+                               hidden_states.dtype) if cos.ndim == 3 else None
+        if not any(mine is layer for mine in layers) or layout is None or layout.rotated != attn.head_dim:
             return own_forward(hidden_states, position_embeddings, attention_mask, **kwargs)
         norms = (q_norm.weight, k_norm.weight, getattr(q_norm, eps), site.norm_offset) if site.qk_norm else ()
         _pop_cache(kwargs)
         batch, length = hidden_states.shape[:2]
         q = fusion(hidden_states, weight, sizes, bias, attn.head_dim, cos, sin, layer.keys, layer.values,
-                   layer.cumulative_length.expand(batch), *norms)
+                   layer.cumulative_length.expand(batch), *norms, **layout.switches())
         if layer is layers[-1]:
             torch._foreach_add_([mine.cumulative_length for mine in layers], length)
         return _attend(attn, q, layer.keys, layer.values, attention_mask, hidden_states.shape[:-1], kwargs)

@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from optiq.patching.structure import takes_first
+from optiq.patching.structure import rotary_layout, takes_first
 
 HF_SIGNATURE = ("q", "k", "cos", "sin")  # the llama family's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
 ONE_TENSOR_SIGNATURE = ("x", "cos", "sin")  # DeepSeek-V4's apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1)
@@ -22,10 +22,11 @@ def _takes(original, signature: tuple[str, ...]) -> None:
 
 
 def rope_function(original, fusion):
-    """HF's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (rotate-half layout); other layouts go to
-    ``original``. With partial rotary (cos narrower than a head: GPT-NeoX, GLM, Phi) the kernel rotates the leading
-    dims in place and the rest pass, as HF's split and concatenation do; the gate catches a layout it does not know
-    (interleaved pairs).
+    """HF's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` through the fused rotary kernel, in the layout
+    the function turns heads of each (head width, cos width, dtype) in (``structure.rotary_layout``, found on the
+    CPU at its first call: Llama's rotate_half, Cohere's and GLM's interleaved pairs, GPT-OSS's half-width cos, a
+    partial rotary's leading channels, ...); a shape whose layout rope does not know, and calls of another form, go
+    to ``original``.
 
     The fusion rotates q and k in place: HF's callers never read q or k again before their rotation's result."""
     _takes(original, HF_SIGNATURE)
@@ -33,14 +34,18 @@ def rope_function(original, fusion):
     def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args,
                              **kwargs):
         unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
-        if unsqueeze_dim != 1 or len(args) > 1 or set(kwargs) - {"unsqueeze_dim"} or q.shape[-1] != k.shape[-1]:
+        if (unsqueeze_dim != 1 or len(args) > 1 or set(kwargs) - {"unsqueeze_dim"} or q.shape[-1] != k.shape[-1]
+                or q.ndim != 4 or cos.ndim != 3):
             return original(q, k, cos, sin, *args, **kwargs)
-        rotated = cos.shape[-1]
-        if rotated == q.shape[-1]:
-            return fusion(q, k, cos, sin)
-        fusion(q[..., :rotated], k[..., :rotated], cos, sin)
+        layout = rotary_layout(original, q.shape[-1], cos.shape[-1], q.dtype)
+        if layout is None:
+            return original(q, k, cos, sin, *args, **kwargs)
+        if layout.rotated == q.shape[-1]:
+            return fusion(q, k, cos, sin, **layout.switches())
+        fusion(q[..., :layout.rotated], k[..., :layout.rotated], cos, sin, **layout.switches())
         return q, k
 
+    apply_rotary_pos_emb.__wrapped__ = original  # what rotary_layout probes, where another recipe looks it up
     return apply_rotary_pos_emb
 
 
