@@ -136,6 +136,7 @@ def test_a_recipe_whose_sites_never_run_in_decode_is_rolled_back_not_passed():
     ("tiny:nanochat", ["rope"]),  # turned the other way
     ("tiny:gpt_oss", ["attention_prologue"]),  # cos half a head wide, one angle a pair
     ("tiny:ernie4_5", ["attention_prologue"]),  # interleaved pairs, one angle a pair, in fp32
+    ("tiny:ergo", ["attention_prologue"]),  # NoPE layers (no cos and sin) among rotating ones: their own forward
 ])
 def test_variants_the_kernels_handle_pass_the_gate(spec, names):
     model = load_model(spec, torch.float32, torch.device("cpu"))

@@ -4,6 +4,7 @@ and a decode attention kernel behind an HF interface."""
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -54,16 +55,32 @@ def _pop_cache(kwargs: dict):
     return legacy if cache is None else cache
 
 
+def _rotation(attn: torch.nn.Module, modeling, hidden_states: torch.Tensor, position_embeddings):
+    """The layout in which the modeling module's ``apply_rotary_pos_emb`` turns the module's heads at this call's
+    cos width (structure.rotary_layout); None where the call has no rotation (a NoPE layer is handed None) or the
+    function is not one rope knows, (q, k, cos, sin) on whole heads: the module's own forward serves those calls."""
+    if not (isinstance(position_embeddings, (tuple, list)) and len(position_embeddings) == 2
+            and isinstance(position_embeddings[0], torch.Tensor) and position_embeddings[0].ndim == 3):
+        return None
+    return rotary_layout(getattr(modeling, "apply_rotary_pos_emb", None), attn.head_dim,
+                         position_embeddings[0].shape[-1], hidden_states.dtype)
+
+
 def qkv_proj_forward(attn: torch.nn.Module, fusion):
-    """HF's llama-family attention forward (Qwen3's per-head q/k norms included) with one projection GEMM.
+    """HF's llama-family attention forward (Qwen3's per-head q/k norms included) with one projection GEMM, where
+    the module rotates with an ``apply_rotary_pos_emb`` rope knows (_rotation); its own forward elsewhere.
 
     RoPE and the attention function are looked up at call time, in the module's own modeling module, so other
     patches (rope, an attention interface) still apply underneath."""
     weight, bias, sizes = _fused_qkv_weights(attn)
     modeling = sys.modules[type(attn).__module__]
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    own_forward = type(attn).forward.__get__(attn)
 
     def forward(hidden_states: torch.Tensor, position_embeddings, attention_mask=None, **kwargs):
+        if _rotation(attn, modeling, hidden_states, position_embeddings) is None:
+            return own_forward(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                               **kwargs)
         cache = _pop_cache(kwargs)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)
@@ -80,6 +97,16 @@ def qkv_proj_forward(attn: torch.nn.Module, fusion):
     return forward
 
 
+_WRITTEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> fill counters of the layers written
+
+
+def _advance(cache, length: int) -> None:
+    """Advance the fill counters of the static layers attention_prologue wrote this step, in one launch."""
+    counters = _WRITTEN.pop(cache, [])
+    if counters:
+        torch._foreach_add_(counters, length)
+
+
 def _static_layers(cache) -> list:
     """The cache's layers that attention_prologue_forward writes: transformers' static ones, once allocated."""
     return [layer for layer in cache.layers if type(layer).__name__ == "StaticLayer" and layer.is_initialized]
@@ -88,8 +115,9 @@ def _static_layers(cache) -> list:
 def attention_prologue_forward(attn: torch.nn.Module, fusion):
     """HF's llama-family attention forward whose prologue (Q/K/V GEMM, Qwen3's q/k norms, RoPE, the cache write) is
     two launches, when the layer's cache is transformers' static one: the kernel writes k and v at the layer's fill
-    counter. The counters advance as StaticLayer.update advances them, but all in one launch, after the last static
-    layer has read its own (one add per layer was a kernel and a launch gap each, 28-32 per decode step). The
+    counter. The counters of the layers it wrote advance as StaticLayer.update advances them, but all in one launch,
+    when the last static layer is done (one add per layer was a kernel and a launch gap each, 28-32 per decode step);
+    a layer its own forward serves (a NoPE layer among rotating ones) advances its own. The
     rotation is the modeling module's ``apply_rotary_pos_emb``, in the layout it turns whole heads in
     (``structure.rotary_layout``). Other caches, a cache not yet allocated, and a rotation of part of a head or of
     a layout rope does not know take the module's own forward."""
@@ -104,18 +132,22 @@ def attention_prologue_forward(attn: torch.nn.Module, fusion):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         layers = _static_layers(cache) if cache is not None else []
         layer = cache.layers[attn.layer_idx] if cache is not None else None
-        cos, sin = position_embeddings
-        layout = rotary_layout(getattr(modeling, "apply_rotary_pos_emb", None), attn.head_dim, cos.shape[-1],
-                               hidden_states.dtype) if cos.ndim == 3 else None
+        layout = _rotation(attn, modeling, hidden_states, position_embeddings)
         if not any(mine is layer for mine in layers) or layout is None or layout.rotated != attn.head_dim:
-            return own_forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+            out = own_forward(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                              **kwargs)
+            if layers and layer is layers[-1]:
+                _advance(cache, hidden_states.shape[1])
+            return out
+        cos, sin = position_embeddings
         norms = (q_norm.weight, k_norm.weight, getattr(q_norm, eps), site.norm_offset) if site.qk_norm else ()
         _pop_cache(kwargs)
         batch, length = hidden_states.shape[:2]
         q = fusion(hidden_states, weight, sizes, bias, attn.head_dim, cos, sin, layer.keys, layer.values,
                    layer.cumulative_length.expand(batch), *norms, **layout.switches())
+        _WRITTEN.setdefault(cache, []).append(layer.cumulative_length)
         if layer is layers[-1]:
-            torch._foreach_add_([mine.cumulative_length for mine in layers], length)
+            _advance(cache, length)
         return _attend(attn, q, layer.keys, layer.values, attention_mask, hidden_states.shape[:-1], kwargs)
 
     return forward
