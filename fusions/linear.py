@@ -30,7 +30,7 @@ MAX_BLOCK_M = 64  # the kernel's largest M tile: every row of x in one tile, so 
 KSPLIT_MIN = 256  # the narrowest K slice split-K cuts (qwen3-0.6b's down_proj was fastest in slices of 384)
 MAX_SPLITS = 8
 ARRIVAL_SLOTS = 1 << 16  # split-K arrival counters a device keeps: output tiles of one launch
-TILE_GRID = [dict(BLOCK_N=n, BLOCK_K=k, SPLITS=splits, RAGGED=False)  # what scripts/tiles.py times (4 warps beat 8)
+TILE_GRID = [dict(BLOCK_N=n, BLOCK_K=k, SPLITS=splits)  # what scripts/tiles.py times (4 warps beat 8 everywhere)
              for n in (16, 32, 64) for k in (128, 256) for splits in (1, 2, 3, 4, 6, 8)]
 
 
@@ -40,13 +40,12 @@ def _linear_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
     stride_xg, stride_wg, stride_og,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, RAGGED: tl.constexpr, FP32_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     """Output columns [BLOCK_N] of every row (M <= BLOCK_M) of group program_id(1) (x, w and out advanced by their
     group strides; one group for a plain linear), accumulated in fp32 over K slice program_id(2) of SPLITS, the bias
-    and the residual added to the whole sum before its one rounding. With RAGGED the programs along axis 0 share the
-    N columns as evenly as whole columns go (up to BLOCK_N each) instead of taking BLOCK_N apiece.
+    and the residual added to the whole sum before its one rounding.
 
     With SPLITS > 1 each program writes its fp32 partial sum to ``partial_ptr`` and counts itself in the tile's
     arrival counter; the last to arrive adds the SPLITS partials in split order (the same sum whichever program is
@@ -58,18 +57,12 @@ def _linear_kernel(
     out_ptr += group * stride_og
     rows = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    if RAGGED:
-        col_start = tl.program_id(0) * N // tl.num_programs(0)
-        col_end = (tl.program_id(0) + 1) * N // tl.num_programs(0)
-    else:
-        col_start = tl.program_id(0) * BLOCK_N
-        col_end = tl.minimum(col_start + BLOCK_N, N)
-    cols = col_start + offs_n
-    mask = (rows[:, None] < M) & (cols[None, :] < col_end)
+    cols = tl.program_id(0) * BLOCK_N + offs_n
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
     k_slice = tl.minimum(K - split * k_per_split, k_per_split)
-    prefetch_rows(w_ptr, cols, col_end, k_slice, stride_wn, stride_wk, PREFETCH_LINES, LINE)
+    prefetch_rows(w_ptr, cols, N, k_slice, stride_wn, stride_wk, PREFETCH_LINES, LINE)
     wait_for_predecessor(USE_PDL)
-    acc = stream_dot(x_ptr, w_ptr, rows, cols, M, col_end, k_slice,
+    acc = stream_dot(x_ptr, w_ptr, rows, cols, M, N, k_slice,
                      stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT)
     last = True
     if SPLITS > 1:
@@ -85,7 +78,7 @@ def _linear_kernel(
             tl.atomic_xchg(arrivals_ptr + tile, 0)
     if last:
         if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=cols < col_end, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if HAS_RESIDUAL:
             residual = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0)
             acc += residual.to(tl.float32)
@@ -104,16 +97,7 @@ def split_count(tiles: int, k: int, num_sms: int) -> int:
     return max(1, min(num_sms // tiles, k // KSPLIT_MIN, MAX_SPLITS))
 
 
-def ragged_columns(n: int, num_sms: int, groups: int = 1) -> bool:
-    """Whether one program an SM shares out a projection's columns (up to 32 each, as evenly as whole columns go)
-    instead of tiles of 32: where 32-column tiles would leave a tenth of the SMs idle (Phi-3's and Llama-3.2-1B's
-    3072 columns are 96 tiles for 132 SMs) or need split-K's partial sums to fill them (a 2048-column o_proj), and
-    every program still gets four columns or more. ``OPTIQ_RAGGED_N=1`` turns it on, to measure it."""
-    return (groups == 1 and os.environ.get("OPTIQ_RAGGED_N", "0") == "1" and 4 * num_sms <= n
-            and 10 * triton.cdiv(n, 32) <= 9 * num_sms)
-
-
-def tile_config(n: int, k: int, device: torch.device, rows: int = 1, itemsize: int = 2, groups: int = 1) -> dict:
+def tile_config(n: int, k: int, device: torch.device, rows: int = 1, itemsize: int = 2) -> dict:
     """Tiles from the shapes, as measured on the H200 and H100 (scripts/tiles.py linear, 4 warps always ahead of 8):
     32 output columns per program from 2048 columns up, or past 8 rows (where x's re-reads through L2 count), else
     16, so that a 1024-column projection still spreads over 64 SMs at one row, unless its K is sliced (split_count),
@@ -121,14 +105,11 @@ def tile_config(n: int, k: int, device: torch.device, rows: int = 1, itemsize: i
     K slice spans four tiles or more. When the programs outnumber the SMs, K tiles of 128 wherever their four stages
     let all of an SM's programs stay resident together: 256-wide ones left Phi-3's QKV (three programs an SM) 16%
     slower and DeepSeek-V4's grouped output projection (two an SM) a third slower, and cost Llama's QKV (one or two an
-    SM) under 3%. Else 256: an LM head's thousands of programs run in waves whatever the tile. With ragged columns
-    (ragged_columns), one program an SM of up to BLOCK_N columns and no slices."""
+    SM) under 3%. Else 256: an LM head's thousands of programs run in waves whatever the tile."""
     num_sms = multiprocessor_count(device)
-    ragged = ragged_columns(n, num_sms, groups)
-    block_n = max(16, triton.next_power_of_2(triton.cdiv(n, num_sms))) if ragged else \
-        32 if n >= 2048 or rows > 8 or split_count(triton.cdiv(n, 16), k, num_sms) > 1 else 16
-    tiles = num_sms if ragged else triton.cdiv(n, block_n)
-    splits = 1 if ragged else split_count(tiles, k, num_sms)
+    block_n = 32 if n >= 2048 or rows > 8 or split_count(triton.cdiv(n, 16), k, num_sms) > 1 else 16
+    tiles = triton.cdiv(n, block_n)
+    splits = split_count(tiles, k, num_sms)
     # Past 16 rows (which the product hands to cuBLAS; scripts/tiles.py times the kernel there, to find where it
     # should take over): one 64-row x tile, whose K tiles of 128 keep three stages within shared memory
     if rows > 16:
@@ -139,7 +120,7 @@ def tile_config(n: int, k: int, device: torch.device, rows: int = 1, itemsize: i
         resident = per_sm * stages * (16 + block_n) * 128 * itemsize <= shared_memory_per_multiprocessor(device)
         block_k = 512 if k // splits >= 4 * 512 and per_sm == 1 else 128 if per_sm > 1 and resident else 256
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=k_slices(k, splits, block_k)[1],
-                RAGGED=ragged, num_warps=4, num_stages=stages)
+                num_warps=4, num_stages=stages)
 
 
 def k_slices(k: int, splits: int, block_k: int) -> tuple[int, int]:
@@ -180,8 +161,8 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     out3d = out.view(rows, groups, n)
     r2d = residual.reshape(rows, n) if residual is not None else out3d[:, 0]
-    config = tile_config(groups * n, k, x.device, rows, x.element_size(), groups)  # every group's programs share SMs
-    tiles = multiprocessor_count(x.device) if config["RAGGED"] else triton.cdiv(n, config["BLOCK_N"])
+    config = tile_config(groups * n, k, x.device, rows, x.element_size())  # the programs of every group share SMs
+    tiles = triton.cdiv(n, config["BLOCK_N"])
     k_per_split, splits = k_slices(k, config["SPLITS"] if groups * tiles <= arrivals.numel() else 1, config["BLOCK_K"])
     launch = launch_options(x, programs=groups * tiles * splits)
     partials = torch.empty((groups * tiles * splits * config["BLOCK_M"] * config["BLOCK_N"],) if splits > 1 else (1,),

@@ -96,40 +96,6 @@ def test_split_k_sums_every_slice_once(request, poisoned_empty, monkeypatch, row
     assert torch.equal(linear(x, weight, bias, residual), got)
 
 
-@pytest.mark.parametrize("n, block_n", [(40, 16), (90, 32)])
-@pytest.mark.parametrize("rows", [1, 5, DECODE_ROWS])
-@pytest.mark.parametrize("extras", ["bias", "residual"])
-def test_ragged_columns_cover_every_column_once(request, poisoned_empty, monkeypatch, n, block_n, rows, extras):
-    """One program an SM (4 here), sharing 40 columns as 10 each or 90 as 22 and 23, in tiles of 16 or 32 whose
-    columns past a program's share are the next program's: the float64 product, bias or residual added once, every
-    column written (a column no program owned would keep torch.empty's poison)."""
-    monkeypatch.setenv("OPTIQ_RAGGED_N", "1")
-    config = linear_module.tile_config(n, 600, torch.device(SMALL_DEVICE), rows)
-    assert config["RAGGED"] and config["BLOCK_N"] == block_n and config["SPLITS"] == 1
-    x, weight, bias = make_inputs(seed_of(request), (rows,), 600, n, torch.float32, SMALL_DEVICE, extras == "bias")
-    residual = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)).to(SMALL_DEVICE) * 4
-    residual = residual if extras == "residual" else None
-    got = linear(x, weight, bias, residual)
-    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    want = want if residual is None else want + residual.double()
-    torch.testing.assert_close(got.double(), want, rtol=TOLERANCES[torch.float32], atol=TOLERANCES[torch.float32])
-
-
-def test_ragged_columns_only_where_tiles_leave_sms_idle(monkeypatch):
-    """With the knob on, on 132 SMs: Phi-3's o_proj and Llama-3.2-1B's QKV (3072 columns: 96 tiles of 32) share
-    them 23 or 24 to a program in tiles of 32; Llama-3.2-1B's o_proj (2048, split-K's before) 15 or 16 in tiles of
-    16; qwen3-0.6b's 1024 columns 7 or 8; not Llama-3.1-8B's 4096 (128 tiles), an LM head, a grouped projection,
-    nor fewer than four columns a program; off, never."""
-    monkeypatch.setattr(linear_module, "multiprocessor_count", lambda device: 132)
-    cuda_like = torch.device("cpu")
-    assert not linear_module.tile_config(3072, 3072, cuda_like)["RAGGED"]
-    monkeypatch.setenv("OPTIQ_RAGGED_N", "1")
-    assert [linear_module.tile_config(n, 2048, cuda_like)["BLOCK_N"] for n in (3072, 2048, 1024)] == [32, 16, 16]
-    assert all(linear_module.tile_config(n, 2048, cuda_like)["RAGGED"] for n in (3072, 2048, 1024, 528))
-    assert not any(linear_module.tile_config(n, 2048, cuda_like)["RAGGED"] for n in (4096, 128256, 527))
-    assert not linear_module.tile_config(8 * 256, 4096, cuda_like, groups=8)["RAGGED"]
-
-
 def test_split_count_fills_idle_sms_only(monkeypatch):
     """On 132 SMs: qwen3-0.6b's o_proj and down_proj (1024 columns) and Gemma-3-1B's down_proj (1152) are cut in K into
     32-column tiles, as many slices as leave every program an SM of its own; a projection whose tiles fill two thirds
@@ -242,24 +208,6 @@ def test_grouped_projections_cuda(rows):
         torch.testing.assert_close(got.double(), block_diagonal(x, weight, groups), rtol=1e-2, atol=1e-2)
         assert_graph_replay_and_compile(lambda: grouped_linear(x, weight, groups),
                                         lambda: x.copy_(torch.randn_like(x)))
-
-
-@needs_cuda
-@pytest.mark.parametrize("projection", ["phi-3-mini o_proj", "phi-3-mini down_proj", "llama-3.2-1b qkv",
-                                        "llama-3.2-1b down_proj", "qwen3-0.6b o_proj", "gemma-3-1b down_proj"])
-@pytest.mark.parametrize("rows", [1, 16])
-def test_ragged_columns_preset_projections_cuda(monkeypatch, projection, rows):
-    """Ragged columns on the GPU at the presets' shapes they serve, with a residual (added once), replayed in a CUDA
-    graph and compiled."""
-    monkeypatch.setenv("OPTIQ_RAGGED_N", "1")
-    k, n = PROJECTIONS[projection]
-    x, weight, _ = make_inputs(rows + k + n, (rows,), k, n, torch.bfloat16, "cuda", bias=False)
-    residual = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-    got = linear(x, weight, residual=residual)
-    torch.testing.assert_close(got.double(), F.linear(x.double(), weight.double()) + residual.double(), rtol=1e-2,
-                               atol=1e-2)
-    assert_graph_replay_and_compile(lambda: linear(x, weight, residual=residual),
-                                    lambda: x.copy_(torch.randn_like(x)))
 
 
 @needs_cuda
