@@ -56,14 +56,13 @@ def _rounded_product(a, b, dtype: tl.constexpr, FP32: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, stride_d, heads, head_mask, w_ptr, cos1, cos2, sin1, sin2, eps, offs, mask,
-                  HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, OFFSET: tl.constexpr, INTERLEAVED: tl.constexpr,
+def _rotate_heads(x_ptr, stride_h, stride_d, heads, head_mask, w_ptr, cos1, cos2, sin1, sin2, eps, channel1,
+                  channel2, mask, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, OFFSET: tl.constexpr,
                   CLOCKWISE: tl.constexpr, FP32: tl.constexpr):
-    """Norm (optionally) and rotate a block of head vectors in place; return the rotated channels of each pair
-    [heads, pairs] (fp32, model-dtype values)."""
+    """Norm (optionally) and rotate a block of head vectors in place, pair p being channels channel1[p] and
+    channel2[p]; return the rotated channels of each pair [heads, pairs] (fp32, model-dtype values)."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     tile_mask = head_mask[:, None] & mask[None, :]
-    channel1, channel2 = _pair_channels(offs, HEAD_DIM, INTERLEAVED)
     first = x_ptr + heads[:, None] * stride_h + channel1[None, :] * stride_d
     second = x_ptr + heads[:, None] * stride_h + channel2[None, :] * stride_d
     x1 = tl.load(first, mask=tile_mask, other=0.0).to(tl.float32)
@@ -78,12 +77,9 @@ def _rotate_heads(x_ptr, stride_h, stride_d, heads, head_mask, w_ptr, cos1, cos2
         else:
             x1 = _round(w1 * _round(x1 * rstd, dtype), dtype)
             x2 = _round(w2 * _round(x2 * rstd, dtype), dtype)
-    if CLOCKWISE:
-        out1 = _rounded_product(x1, cos1, dtype, FP32) + _rounded_product(x2, sin1, dtype, FP32)
-        out2 = _rounded_product(x2, cos2, dtype, FP32) - _rounded_product(x1, sin2, dtype, FP32)
-    else:
-        out1 = _rounded_product(x1, cos1, dtype, FP32) - _rounded_product(x2, sin1, dtype, FP32)
-        out2 = _rounded_product(x2, cos2, dtype, FP32) + _rounded_product(x1, sin2, dtype, FP32)
+    sense = 1.0 - 2.0 * CLOCKWISE  # -1 turns the other way; a sign leaves the product's rounding as it is
+    out1 = _rounded_product(x1, cos1, dtype, FP32) - sense * _rounded_product(x2, sin1, dtype, FP32)
+    out2 = _rounded_product(x2, cos2, dtype, FP32) + sense * _rounded_product(x1, sin2, dtype, FP32)
     out1, out2 = _round(out1, dtype), _round(out2, dtype)
     tl.store(first, out1.to(dtype), mask=tile_mask)
     tl.store(second, out2.to(dtype), mask=tile_mask)
@@ -134,14 +130,14 @@ def _rope_kernel(
     if block < q_blocks:
         heads = block * HEADS + tl.arange(0, HEADS)
         _rotate_heads(q_ptr + b * stride_qb + s * stride_qs, stride_qh, stride_qd, heads, heads < num_q_heads,
-                      q_norm_ptr, cos1, cos2, sin1, sin2, eps, offs, mask, HEAD_DIM, QK_NORM, OFFSET,
-                      INTERLEAVED, CLOCKWISE, FP32)
+                      q_norm_ptr, cos1, cos2, sin1, sin2, eps, channel1, channel2, mask, HEAD_DIM, QK_NORM, OFFSET,
+                      CLOCKWISE, FP32)
     else:
         heads = (block - q_blocks) * HEADS + tl.arange(0, HEADS)
         head_mask = heads < num_kv_heads
         k1, k2 = _rotate_heads(k_ptr + b * stride_kb + s * stride_ks, stride_kh, stride_kd, heads, head_mask,
-                               k_norm_ptr, cos1, cos2, sin1, sin2, eps, offs, mask, HEAD_DIM, QK_NORM, OFFSET,
-                               INTERLEAVED, CLOCKWISE, FP32)
+                               k_norm_ptr, cos1, cos2, sin1, sin2, eps, channel1, channel2, mask, HEAD_DIM, QK_NORM,
+                               OFFSET, CLOCKWISE, FP32)
         if WRITE_CACHE:
             pos = tl.load(positions_ptr + b * stride_pb) + s
             # Memory safety only: a position past the cache is dropped (checking it would need a host sync).
@@ -166,11 +162,8 @@ def heads_per_program(num_q_heads: int, num_kv_heads: int, half_block: int) -> i
     return min(triton.next_power_of_2(max(num_q_heads, num_kv_heads)), max(1, 512 // half_block))
 
 
-LAYOUT_SWITCHES = ("interleaved", "pair_angles", "clockwise", "fp32")  # rope()'s layout keywords, bit i of ``layout``
-
-
 def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions, offset,
-            layout) -> None:
+            interleaved, pair_angles, clockwise, fp32) -> None:
     batch, num_q_heads, seq_len, head_dim = q.shape
     num_kv_heads = k.shape[1]
     qk_norm = q_norm_weight is not None
@@ -181,7 +174,6 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
     v, k_cache, v_cache, positions = (v, k_cache, v_cache, positions) if write_cache else (q, q, q, q)
     cos = cos.expand(batch, seq_len, cos.shape[-1])  # HF may hand one row of cos/sin for the whole batch
     sin = sin.expand(batch, seq_len, sin.shape[-1])
-    switches = {name.upper(): bool(layout >> bit & 1) for bit, name in enumerate(LAYOUT_SWITCHES)}
     half_block = triton.next_power_of_2(head_dim // 2)
     heads = heads_per_program(num_q_heads, num_kv_heads, half_block)
     grid = (batch * seq_len, triton.cdiv(num_q_heads, heads) + triton.cdiv(num_kv_heads, heads))
@@ -191,7 +183,7 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=head_dim, HALF_BLOCK=half_block, HEADS=heads, QK_NORM=qk_norm,
         OFFSET=offset, WRITE_CACHE=write_cache, num_warps=max(1, min(4, heads * half_block // 128)),
-        **switches, **launch_options(q),
+        INTERLEAVED=interleaved, PAIR_ANGLES=pair_angles, CLOCKWISE=clockwise, FP32=fp32, **launch_options(q),
     )
 
 
@@ -200,16 +192,20 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
 @torch.library.triton_op("optiq::rope", mutates_args={"q", "k"})
 def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-             eps: float = 1e-6, offset: bool = False, layout: int = 0) -> None:
-    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, None, None, None, None, offset, layout)
+             eps: float = 1e-6, offset: bool = False, interleaved: bool = False, pair_angles: bool = False,
+             clockwise: bool = False, fp32: bool = False) -> None:
+    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, None, None, None, None, offset, interleaved,
+            pair_angles, clockwise, fp32)
 
 
 @torch.library.triton_op("optiq::rope_cached", mutates_args={"q", "k", "k_cache", "v_cache"})
 def _rope_cached_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                    eps: float = 1e-6, offset: bool = False, layout: int = 0) -> None:
-    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions, offset, layout)
+                    eps: float = 1e-6, offset: bool = False, interleaved: bool = False, pair_angles: bool = False,
+                    clockwise: bool = False, fp32: bool = False) -> None:
+    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions, offset, interleaved,
+            pair_angles, clockwise, fp32)
 
 
 def rope(
@@ -246,16 +242,16 @@ def rope(
     if head_dim % 2 or cos.shape[-1] < (head_dim // 2 if pair_angles else head_dim) or sin.shape != cos.shape:
         raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} do not turn heads of {head_dim}"
                          f"{' by pairs' if pair_angles else ''}")
-    layout = sum(1 << bit for bit, on in enumerate((interleaved, pair_angles, clockwise, fp32)) if on)
+    layout = (interleaved, pair_angles, clockwise, fp32)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
     if len({x is None for x in (v, k_cache, v_cache, positions)}) != 1:
         raise ValueError("give all of v, k_cache, v_cache and positions, or none")
     if k_cache is None:
-        torch.ops.optiq.rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset, layout)
+        torch.ops.optiq.rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset, *layout)
     else:
         torch.ops.optiq.rope_cached(q, k, cos, sin, v, k_cache, v_cache, positions, q_norm_weight, k_norm_weight, eps,
-                                    offset, layout)
+                                    offset, *layout)
     return q, k
 
 
