@@ -35,8 +35,10 @@ def _bf16(x, FP32_DOT: tl.constexpr):
     error); there the rounding is done on fp32's bits and the values stay fp32, which dot_accumulate takes in IEEE
     fp32 under FP32_DOT."""
     if FP32_DOT:
-        return round_to(x.to(tl.float32), tl.bfloat16)
-    return x.to(tl.bfloat16)
+        rounded = round_to(x.to(tl.float32), tl.bfloat16)
+    else:
+        rounded = x.to(tl.bfloat16)
+    return rounded  # one return: Triton (3.9) types a function by all its returns, even a constexpr branch's
 
 
 @triton.jit
