@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hopper_compile import HopperCompiler, LaunchRecorder  # noqa: E402
 
 from optiq.models import load_model  # noqa: E402
 
@@ -23,3 +24,23 @@ def _isolated_cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="session", params=["tiny-llama", "tiny-qwen3-moe"])
 def tiny_model(request):
     return load_model(request.param, torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def hopper_compiler():
+    compiler = HopperCompiler()
+    yield compiler
+    compiler.close()
+
+
+@pytest.fixture(autouse=True)
+def compiled_for_hopper(hopper_compiler):
+    """A test run under the interpreter also has every kernel launch it made compiled for sm_90 (hopper_compile)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    with LaunchRecorder() as recorder:
+        yield
+    errors = hopper_compiler.errors(recorder.launches)
+    if errors:
+        pytest.fail("\n".join(errors), pytrace=False)

@@ -1,10 +1,7 @@
 """Fixtures of the kernel tests."""
 
-import os
-
 import pytest
 import torch
-from hopper_compile import HopperCompiler, LaunchRecorder
 
 
 @pytest.fixture
@@ -18,23 +15,3 @@ def poisoned_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", nan_empty)
 
-
-@pytest.fixture(scope="session")
-def hopper_compiler():
-    compiler = HopperCompiler()
-    yield compiler
-    compiler.close()
-
-
-@pytest.fixture(autouse=True)
-def compiled_for_hopper(request):
-    """A test run under the interpreter also has every kernel launch it made compiled for sm_90 (hopper_compile)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    compiler = request.getfixturevalue("hopper_compiler")
-    with LaunchRecorder() as recorder:
-        yield
-    errors = compiler.errors(recorder.launches)
-    if errors:
-        pytest.fail("\n".join(errors), pytrace=False)

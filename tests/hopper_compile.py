@@ -67,28 +67,35 @@ class LaunchRecorder:
 
 
 class HopperCompiler:
-    """The worker process, started once; ``errors(launches)`` compiles those not compiled before."""
+    """The worker process, started at the first launch to compile; ``errors(launches)`` compiles those not compiled
+    before and answers their failures."""
 
     def __init__(self):
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        self.worker = subprocess.Popen([sys.executable, __file__], env=env, text=True, stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE)
+        self.worker = None
         self.verdicts: dict[str, str | None] = {}
 
     def errors(self, launches: dict[str, dict]) -> list[str]:
         for key, launch in launches.items():
             if key not in self.verdicts:
-                self.worker.stdin.write(json.dumps(launch) + "\n")
-                self.worker.stdin.flush()
-                answer = self.worker.stdout.readline()
-                if not answer:
-                    raise RuntimeError(f"the Hopper compile worker died (exit {self.worker.wait()})")
-                self.verdicts[key] = json.loads(answer)["error"]
+                self.verdicts[key] = self._ask(launch)
         return [self.verdicts[key] for key in launches if self.verdicts[key]]
 
+    def _ask(self, launch: dict) -> str | None:
+        if self.worker is None:
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            self.worker = subprocess.Popen([sys.executable, __file__], env=env, text=True, stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE)
+        self.worker.stdin.write(json.dumps(launch) + "\n")
+        self.worker.stdin.flush()
+        answer = self.worker.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the Hopper compile worker died (exit {self.worker.wait()})")
+        return json.loads(answer)["error"]
+
     def close(self):
-        self.worker.stdin.close()
-        self.worker.wait(timeout=60)
+        if self.worker is not None:
+            self.worker.stdin.close()
+            self.worker.wait(timeout=60)
 
 
 def _compile(launch: dict) -> str | None:
