@@ -19,11 +19,12 @@ from optiq.gate import GatePlan, validate
 from optiq.gate.mutants import verify
 from optiq.models import load_model
 from optiq.patching import apply, unpatch
+from optiq.patching.replacements import mla as mla_replacements
 from optiq.patching.replacements import rope as rope_replacements
 from optiq.patching.replacements.indexer import indexer_scores_forward
-from optiq.patching.structure import (RotaryLayout, SwigluExpertsSite, gated_mlp, grouped_linear, hyper_connection,
-                                      indexer_scorer, pre_norm_decoder_layer, rms_norm, rotary_layout,
-                                      sandwich_norm_decoder_layer, swiglu_experts)
+from optiq.patching.structure import (MlaSite, RotaryLayout, SwigluExpertsSite, gated_mlp, grouped_linear,
+                                      hyper_connection, indexer_scorer, mla_attention, pre_norm_decoder_layer,
+                                      rms_norm, rotary_layout, sandwich_norm_decoder_layer, swiglu_experts)
 
 from wrong_kernels import user_recipe
 
@@ -433,3 +434,37 @@ def test_indexer_scorers_are_found_by_what_they_compute():
     assert torch.equal(indexer_scores_forward(scorer, indexer_scores)(q, keys, hidden), scorer(q, keys, hidden))
     with pytest.raises(ValueError, match="lightning indexer"):
         indexer_scores_forward(model.model.layers[0].input_layernorm, indexer_scores)
+
+
+@pytest.mark.parametrize("spec, rotation", [
+    ("tiny:deepseek_v2", "apply_rotary_emb"), ("tiny:deepseek_v3", "apply_rotary_pos_emb_interleave"),
+    ("tiny:glm4_moe_lite", "apply_rotary_pos_emb_interleave"), ("tiny:minicpm3", "apply_rotary_pos_emb"),
+    ("tiny:kimi_linear", None),
+    # forwards that do more than the absorbed path: an indexer, latent scales, an output gate
+    ("tiny:deepseek_v32", "no site"), ("tiny:longcat_flash", "no site"), ("tiny:bailing_hybrid", "no site"),
+])
+def test_mla_attentions_are_found_with_the_rotation_their_forward_uses(spec, rotation):
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+    sites = {mla_attention(m) for m in model.modules() if hasattr(m, "kv_a_proj_with_mqa")}
+    heads = model.config.num_attention_heads
+    assert sites == ({None} if rotation == "no site" else {MlaSite(heads, rotation)})
+
+
+@pytest.mark.parametrize("spec", ["tiny:deepseek_v3", "tiny:glm4_moe_lite"])
+def test_mla_decode_is_kept_beyond_deepseek_v2_and_a_wrong_rotation_rolled_back(spec, monkeypatch):
+    """The absorbed path on V3-style MLA (rope in interleaved pairs, out in halves) passes the gate; the same path
+    turning its rope parts as Llama's does not (prefill cached the rope keys the model's way)."""
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+    recipe = load_catalog()["mla_decode"]
+    for wrong in (False, True):
+        if wrong:
+            monkeypatch.setattr(mla_replacements, "mla_attention",
+                                lambda attn: MlaSite(attn.config.num_attention_heads, "apply_rotary_pos_emb"))
+        patches = apply(model, [recipe])
+        try:
+            report = validate(patches, GatePlan((2,), steps=3, prompt_len=5))
+        finally:
+            unpatch(model)
+        assert report.rolled_back == (["mla_decode"] if wrong else []), report.recipes["mla_decode"]
+        assert report.recipes["mla_decode"].calls > 0
+

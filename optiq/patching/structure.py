@@ -453,6 +453,78 @@ def rotary_layout(function, head_dim: int, cos_width: int, dtype: torch.dtype) -
     return None
 
 
+# Every name a DeepSeek-V2 or -V3 MLA forward (and its expand_kv) refers to. A forward that refers to
+# anything else does more than the absorbed decode path does: an indexer's sparse selection (V3.2), attention sinks,
+# an output gate, latent scales (LongCat), a query scale that grows with the position (Mistral 4), which the gate's
+# short contexts would not all show.
+MLA_FORWARD_NAMES = frozenset({
+    "ALL_ATTENTION_FUNCTIONS", "_attn_implementation", "apply_rotary_emb", "apply_rotary_pos_emb",
+    "apply_rotary_pos_emb_interleave", "attention_dropout", "cat", "config", "contiguous", "copy_", "device",
+    "eager_attention_forward", "expand", "expand_kv", "get_interface", "kv_a_layernorm", "kv_a_proj_with_mqa",
+    "kv_b_proj", "kv_lora_rank", "layer_idx", "new_empty", "o_proj", "q_a_layernorm", "q_a_proj", "q_b_proj",
+    "q_lora_rank", "q_proj", "qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "reshape", "rope_interleave",
+    "scaling", "shape", "split", "to", "torch", "training", "transpose", "update", "v_head_dim", "view"})
+MLA_CHILDREN = frozenset({"q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                          "kv_b_proj", "o_proj"})
+ROTATIONS = ("apply_rotary_emb", "apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
+
+
+@dataclass(frozen=True)
+class MlaSite:
+    heads: int
+    rotation: str | None  # the modeling module's function that turns the rope parts (V2's complex apply_rotary_emb,
+    # V3's apply_rotary_pos_emb or its _interleave as the config says), or None: a MLA without rotation (Kimi Linear)
+
+
+def _forward_names(module_type: type) -> set[str]:
+    """The global, attribute and method names ``module_type.forward`` refers to, in its nested code and in the
+    methods of the class's own it calls (V3's ``expand_kv``)."""
+    names: set[str] = set()
+    codes = [inspect.unwrap(module_type.forward).__code__]
+    while codes:
+        code = codes.pop()
+        for name in set(code.co_names) - names:
+            method = getattr(module_type, name, None)
+            if inspect.isfunction(method) and not hasattr(torch.nn.Module, name):
+                codes.append(inspect.unwrap(method).__code__)
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if inspect.iscode(c))
+    return names
+
+
+def mla_attention(module: torch.nn.Module) -> MlaSite | None:
+    """Multi-head latent attention as DeepSeek-V2 and -V3 write it (and GLM-4-MoE-Lite, Kimi, Youtu, MiniCPM3 after
+    them): a query through ``q_proj`` or the low-rank ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``, one
+    ``kv_a_proj_with_mqa`` giving the latent and the shared rope key, ``kv_a_layernorm``, a bias-free ``kv_b_proj``
+    of every head's key and value parts, ``o_proj``; no other child and no parameter of its own; a forward that refers
+    to nothing beyond MLA_FORWARD_NAMES. What the cached latent and rope key go through is the absorbed path's; the
+    gate checks the rest."""
+    children = dict(module.named_children())
+    has_query = "q_proj" in children or {"q_a_proj", "q_a_layernorm", "q_b_proj"} <= set(children)
+    if not has_query or not set(children) <= MLA_CHILDREN or any(True for _ in module.parameters(recurse=False)):
+        return None
+    kv_b = children.get("kv_b_proj")
+    sizes = [getattr(module, name, None) for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                                      "v_head_dim", "layer_idx")]
+    if not (isinstance(kv_b, torch.nn.Linear) and kv_b.bias is None and all(type(n) is int for n in sizes)
+            and {"kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj"} <= set(children)
+            and isinstance(getattr(module, "scaling", None), float)):
+        return None
+    rank, nope, _, value, _ = sizes
+    heads = getattr(module, "num_heads", None) or getattr(getattr(module, "config", None), "num_attention_heads", 0)
+    if type(heads) is not int or kv_b.in_features != rank or kv_b.out_features != heads * (nope + value):
+        return None
+    names = _forward_names(type(module))
+    if not names <= MLA_FORWARD_NAMES:
+        return None
+    rotations = [name for name in ROTATIONS if name in names]
+    if len(rotations) == 2 and rotations[0] == "apply_rotary_pos_emb":  # V3: the config chooses
+        rotations = [rotations[bool(getattr(module.config, "rope_interleave", False))]]
+    if len(rotations) > 1:
+        return None
+    return MlaSite(heads, rotations[0] if rotations else None)
+
+
 @dataclass(frozen=True)
 class SwigluExpertsSite:
     limit: float | None  # gate clamped to at most limit and up to [-limit, limit] before silu(gate) * up; or none
@@ -557,4 +629,5 @@ def indexer_scorer(module: torch.nn.Module) -> IndexerScorerSite | None:
 STRUCTURES = {"rms_norm": rms_norm, "gated_mlp": gated_mlp, "qkv_attention": qkv_attention,
               "pre_norm_decoder_layer": pre_norm_decoder_layer,
               "sandwich_norm_decoder_layer": sandwich_norm_decoder_layer, "hyper_connection": hyper_connection,
-              "grouped_linear": grouped_linear, "swiglu_experts": swiglu_experts, "indexer_scorer": indexer_scorer}
+              "grouped_linear": grouped_linear, "swiglu_experts": swiglu_experts, "indexer_scorer": indexer_scorer,
+              "mla_attention": mla_attention}
