@@ -119,9 +119,12 @@ def _compile(launch: dict) -> str | None:
         try:
             kernel.warmup(*args, grid=(1,), **options)
         except Exception as error:  # noqa: BLE001 - any compiler failure is the answer
-            cause = error.__cause__ or error
-            return (f"{launch['name']} ({variant}; constexprs {kwargs}) does not compile for sm_90: "
-                    f"{type(cause).__name__}: {' '.join(str(cause).split())[:600]}")
+            causes = [error]
+            while causes[-1].__cause__ is not None:
+                causes.append(causes[-1].__cause__)
+            where = " ".join(str(causes[-2] if len(causes) > 1 else error).split())[-300:]  # the source line
+            return (f"{launch['name']} ({variant}; constexprs {kwargs}) does not compile for sm_90: ...{where} "
+                    f"{type(causes[-1]).__name__}: {' '.join(str(causes[-1]).split())[:400]}")
     return None
 
 
