@@ -372,10 +372,19 @@ def check_weights(path: Path, config) -> None:
                          f"model of {needed:,} parameters")
 
 
+def learned_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and the float buffers a checkpoint holds (persistent ones: DeepSeek-V3's selection
+    bias, not a rotary table it recomputes), by name."""
+    persistent = model.state_dict(keep_vars=True).keys()
+    buffers = {name: b for name, b in model.named_buffers() if b.is_floating_point() and name in persistent}
+    return {**dict(model.named_parameters()), **buffers}
+
+
 def constant_parameters(model: torch.nn.Module) -> list[str]:
-    """The names of the parameters whose elements are all one value (initialisation's ones and zeros); a parameter
-    of one element (mHC's scales) when it holds exactly 0 or 1."""
-    return [name for name, param in model.named_parameters() if _is_constant(param)
+    """The names of the learned tensors (``learned_tensors``) whose elements are all one value (initialisation's ones
+    and zeros; a selection bias that starts at zero); one of one element (mHC's scales) when it holds exactly 0 or
+    1."""
+    return [name for name, param in learned_tensors(model).items() if _is_constant(param)
             and (param.numel() > 1 or param.item() in (0.0, 1.0))]
 
 
@@ -390,7 +399,7 @@ def redraw_constants(model: torch.nn.Module, seed: int = SEED) -> list[str]:
     its dtype, from ``seed``; returns their names."""
     generator = torch.Generator().manual_seed(seed)
     names = constant_parameters(model)
-    params = dict(model.named_parameters())
+    params = learned_tensors(model)
     for name in names:
         param = params[name]
         param.copy_(_around(param.flatten()[0].item(), param.shape, generator).to(param.dtype))
@@ -434,7 +443,7 @@ def draw_routing_tables(model: torch.nn.Module, seed: int = SEED) -> list[str]:
 @contextmanager
 def constants_redrawn(model: torch.nn.Module, seed: int = SEED):
     """The model with its constant parameters redrawn (``redraw_constants``) for the block, then put back."""
-    params = dict(model.named_parameters())
+    params = learned_tensors(model)
     kept = {name: params[name].detach().clone() for name in constant_parameters(model)}
     redraw_constants(model, seed)
     try:
