@@ -63,7 +63,7 @@ def _moe_router_gemm_kernel(
              mask=(rows[:, None] < T) & (experts[None, :] < E))
 
 
-SCORES = {"softmax": 0, "sqrtsoftplus": 1}  # the kernel's SCORE
+SCORES = {"softmax": 0, "sqrtsoftplus": 1, "sigmoid": 2}  # the kernel's SCORE
 
 
 @triton.jit
@@ -78,17 +78,44 @@ def sqrt_softplus(logits, ROUND_TO: tl.constexpr):
 
 
 @triton.jit
+def _keep_top_groups(keys, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, GROUPS: tl.constexpr,
+                     TOPK_GROUP: tl.constexpr, GROUP_TOP: tl.constexpr):
+    """keys [BLOCK_T, BLOCK_E] with every expert outside its token's TOPK_GROUP best groups (of GROUPS equal runs of
+    experts, a group's score its best key (GROUP_TOP 1: DeepSeek-V2) or the sum of its two best (2: V3)) set to
+    -inf: the group-limited choice. Among equal group scores the lower group is kept first."""
+    SIZE: tl.constexpr = BLOCK_E // GROUPS
+    grouped = tl.reshape(keys, (BLOCK_T, GROUPS, SIZE))
+    inner = tl.arange(0, SIZE)
+    first = tl.max(grouped, axis=2)
+    first_at = tl.min(tl.where(grouped == first[:, :, None], inner[None, None, :], SIZE), axis=2)
+    group_scores = first
+    if GROUP_TOP == 2:
+        group_scores += tl.max(tl.where(inner[None, None, :] == first_at[:, :, None], float("-inf"), grouped), axis=2)
+    groups = tl.arange(0, GROUPS)
+    kept = tl.zeros((BLOCK_T, GROUPS), dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.max(group_scores, axis=1)
+        pick = tl.min(tl.where(group_scores == best[:, None], groups[None, :], GROUPS), axis=1)
+        kept = tl.where(groups[None, :] == pick[:, None], 1, kept)
+        group_scores = tl.where(groups[None, :] == pick[:, None], float("-inf"), group_scores)
+    keep = tl.reshape(tl.broadcast_to(kept[:, :, None], (BLOCK_T, GROUPS, SIZE)), (BLOCK_T, BLOCK_E))
+    return tl.where(keep != 0, keys, float("-inf"))
+
+
+@triton.jit
 def _moe_routing_kernel(
     src_ptr, logits_ptr, weights_ptr, index_ptr, bias_ptr, ids_ptr, table_ptr, T, E, splits, scale, eps, stride_s,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, FROM_SPLITS: tl.constexpr, SCORE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HASHED: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HASHED: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    GROUP_TOP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """weights, index [BLOCK_T, TOP_K] of BLOCK_T tokens; src is the logits [T, E], or (FROM_SPLITS) the router
     GEMM's partial sums [splits, T, E], added in split order and stored as the logits (fp32). The experts are the
-    top TOP_K of score + bias (HAS_BIAS), or (HASHED) row ids[t] of table [V, TOP_K]; their weights are their scores,
-    divided by (their sum + eps) if RENORMALIZE, times scale."""
+    top TOP_K of score + bias (HAS_BIAS) within the TOPK_GROUP best of GROUPS groups (all when GROUPS is 1; a group
+    scored by its GROUP_TOP best), or
+    (HASHED) row ids[t] of table [V, TOP_K]; their weights are their scores, divided by (their sum + eps) if
+    RENORMALIZE, times scale."""
     wait_for_predecessor(USE_PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
@@ -109,12 +136,16 @@ def _moe_routing_kernel(
     if SCORE == 0:
         numerators = tl.exp(logits - tl.max(logits, axis=1)[:, None])
         scores = numerators / tl.sum(numerators, axis=1)[:, None]
-    else:
+    elif SCORE == 1:
         scores = sqrt_softplus(logits, src_ptr.dtype.element_ty)
+    else:  # sigmoid, rounded as torch rounds it in the logits' dtype
+        scores = round_to(1.0 / (1.0 + tl.exp(-logits)), src_ptr.dtype.element_ty)
     keys = scores
     if HAS_BIAS:
         keys += tl.load(bias_ptr + experts, mask=expert_mask, other=0.0).to(tl.float32)[None, :]
     keys = tl.where(expert_mask[None, :], keys, float("-inf"))  # below every score: never chosen
+    if GROUPS > 1:
+        keys = _keep_top_groups(keys, BLOCK_T, BLOCK_E, GROUPS, TOPK_GROUP, GROUP_TOP)
 
     slots = tl.arange(0, BLOCK_S)
     top = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
@@ -143,7 +174,8 @@ def _moe_routing_kernel(
 
 def _route(src: torch.Tensor, logits: torch.Tensor | None, splits: int, top_k: int, renormalize: bool,
            scale: float, out_dtype: torch.dtype, score: int = 0, eps: float = 0.0, bias: torch.Tensor | None = None,
-           ids: torch.Tensor | None = None, table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           ids: torch.Tensor | None = None, table: torch.Tensor | None = None, groups: int = 1,
+           topk_group: int = 1, group_top: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, experts = logits.shape if logits is not None else src.shape
     weights = torch.empty((tokens, top_k), dtype=out_dtype, device=src.device)
     index = torch.empty((tokens, top_k), dtype=torch.int64, device=src.device)
@@ -151,7 +183,8 @@ def _route(src: torch.Tensor, logits: torch.Tensor | None, splits: int, top_k: i
         src, logits if logits is not None else src, weights, index, bias if bias is not None else src,
         ids if ids is not None else index, table if table is not None else index, tokens, experts, splits, scale,
         eps, src.stride(0), TOP_K=top_k, RENORMALIZE=renormalize, FROM_SPLITS=logits is not None, SCORE=score,
-        HAS_BIAS=bias is not None, HASHED=table is not None, BLOCK_T=BLOCK_T,
+        HAS_BIAS=bias is not None, HASHED=table is not None, GROUPS=groups, TOPK_GROUP=topk_group,
+        GROUP_TOP=group_top, BLOCK_T=BLOCK_T,
         BLOCK_E=triton.next_power_of_2(experts), BLOCK_S=triton.next_power_of_2(top_k), num_warps=4,
         **launch_options(src),
     )
@@ -161,14 +194,18 @@ def _route(src: torch.Tensor, logits: torch.Tensor | None, splits: int, top_k: i
 @torch.library.triton_op("optiq::moe_route", mutates_args=())
 def _moe_route_op(logits: torch.Tensor, top_k: int, renormalize: bool, scale: float, out_dtype: torch.dtype,
                   score: int, eps: float, bias: torch.Tensor | None, ids: torch.Tensor | None,
-                  table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  table: torch.Tensor | None, groups: int = 1, topk_group: int = 1, group_top: int = 2
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     return _route(logits.contiguous(), None, 0, top_k, renormalize, scale, out_dtype, score, eps, bias,
-                  ids.contiguous() if ids is not None else None, table.contiguous() if table is not None else None)
+                  ids.contiguous() if ids is not None else None, table.contiguous() if table is not None else None,
+                  groups, topk_group, group_top)
 
 
 @torch.library.triton_op("optiq::moe_route_gemm", mutates_args=())
 def _moe_route_gemm_op(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, scale: float,
-                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       out_dtype: torch.dtype, score: int = 0, eps: float = 0.0, bias: torch.Tensor | None = None,
+                       groups: int = 1, topk_group: int = 1, group_top: int = 2
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     hidden, weight = hidden.contiguous(), weight.contiguous()
     (tokens, hidden_size), experts = hidden.shape, weight.shape[0]
     splits = triton.cdiv(hidden_size, SPLIT_K)
@@ -181,61 +218,81 @@ def _moe_route_gemm_op(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, r
         FP32_DOT=fp32_dot(hidden.dtype), num_warps=4, **launch_options(hidden),
     )
     logits = torch.empty((tokens, experts), dtype=torch.float32, device=hidden.device)
-    weights, index = _route(partial, logits, splits, top_k, renormalize, scale, out_dtype)
+    weights, index = _route(partial, logits, splits, top_k, renormalize, scale, out_dtype, score, eps, bias,
+                            groups=groups, topk_group=topk_group, group_top=group_top)
     return logits, weights, index
 
 
-def _check_top_k(experts: int, top_k: int) -> None:
+def _check(experts: int, top_k: int, score: str = "softmax", bias: torch.Tensor | None = None,
+           groups: int = 1, topk_group: int = 1, group_top: int = 2) -> None:
     if not 0 < top_k <= experts or experts > 1024:
         raise ValueError(f"top-{top_k} of {experts} experts: need 0 < k <= experts <= 1024")
+    if score not in SCORES:
+        raise ValueError(f"score '{score}' is not one of {', '.join(SCORES)}")
+    if bias is not None and bias.shape != (experts,):
+        raise ValueError(f"bias {tuple(bias.shape)} is not [{experts}]")
+    if groups > 1 and not (experts == triton.next_power_of_2(experts) and experts % groups == 0 and group_top in (1, 2)
+                           and experts // groups >= group_top and 0 < topk_group <= groups):
+        raise ValueError(f"{topk_group} of {groups} groups of {experts} experts: the groups must be equal powers of "
+                         f"two of at least two experts")
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool = False, scale: float = 1.0,
           out_dtype: torch.dtype | None = None, score: str = "softmax", eps: float = 0.0,
           bias: torch.Tensor | None = None, ids: torch.Tensor | None = None,
-          table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          table: torch.Tensor | None = None, groups: int = 1, topk_group: int = 1,
+          group_top: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, k] in ``out_dtype`` (default: the logits'), expert ids [T, k] int64): the top-k
-    experts by ``score`` (softmax or sqrtsoftplus of the logits, in fp32 from values rounded as the model rounds
-    them) plus ``bias`` [E] if given, or those of row ``ids`` [T] of ``table`` [V, k] if given; their scores divided
-    by (their sum + ``eps``) if ``renormalize``, times ``scale``."""
-    _check_top_k(logits.shape[-1], top_k)
-    if score not in SCORES:
-        raise ValueError(f"score '{score}' is not one of {', '.join(SCORES)}")
-    if bias is not None and bias.shape != (logits.shape[-1],):
-        raise ValueError(f"bias {tuple(bias.shape)} is not [{logits.shape[-1]}]")
+    experts by ``score`` (softmax, sigmoid or sqrtsoftplus of the logits, in fp32 from values rounded as the model
+    rounds them) plus ``bias`` [E] if given, among the ``topk_group`` best of ``groups`` groups (a group's score the
+    sum of its ``group_top`` best), or those of row ``ids`` [T] of ``table`` [V, k] if given; their scores divided by (their
+    sum + ``eps``) if ``renormalize``, times ``scale``."""
+    _check(logits.shape[-1], top_k, score, bias, groups, topk_group, group_top)
     if (ids is None) != (table is None) or table is not None and (
             table.dim() != 2 or table.shape[1] != top_k or ids.shape != logits.shape[:1]):
         raise ValueError(f"ids and table go together, [{logits.shape[0]}] and [V, {top_k}]")
     return torch.ops.optiq.moe_route(logits, top_k, renormalize, scale, out_dtype or logits.dtype, SCORES[score],
-                                     eps, bias, ids, table)
+                                     eps, bias, ids, table, groups, topk_group, group_top)
 
 
 def route_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool = False,
-                      scale: float = 1.0, out_dtype: torch.dtype = torch.float32
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      scale: float = 1.0, out_dtype: torch.dtype = torch.float32, score: str = "softmax",
+                      eps: float = 0.0, bias: torch.Tensor | None = None, groups: int = 1, topk_group: int = 1,
+                      group_top: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden [T, H], weight [E, H] (same dtype) -> (logits [T, E] fp32, weights [T, k], expert ids [T, k]): as
     ``route`` on hidden @ weight.T computed with fp32 accumulation."""
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] or hidden.dtype != weight.dtype:
         raise ValueError(f"hidden {tuple(hidden.shape)} {hidden.dtype} and weight {tuple(weight.shape)} "
                          f"{weight.dtype} do not fit: need [T, H] and [E, H] of one dtype")
-    _check_top_k(weight.shape[0], top_k)
-    return torch.ops.optiq.moe_route_gemm(hidden, weight, top_k, renormalize, scale, out_dtype)
+    _check(weight.shape[0], top_k, score, bias, groups, topk_group, group_top)
+    return torch.ops.optiq.moe_route_gemm(hidden, weight, top_k, renormalize, scale, out_dtype, SCORES[score], eps,
+                                          bias, groups, topk_group, group_top)
 
 
 def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool = False, scale: float = 1.0,
                     out_dtype: torch.dtype | None = None, score: str = "softmax", eps: float = 0.0,
                     bias: torch.Tensor | None = None, ids: torch.Tensor | None = None,
-                    table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    table: torch.Tensor | None = None, groups: int = 1, topk_group: int = 1, group_top: int = 2
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """What HF's routers do, in torch ops (the benchmark's eager path and the tests' reference): softmax routers in
-    fp32, DeepSeek-V4's sqrt(softplus) in the logits' dtype."""
+    fp32, sigmoid and DeepSeek-V4's sqrt(softplus) in the logits' dtype, DeepSeek-V2's and V3's group-limited
+    choices."""
     if score == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    elif score == "sigmoid":
+        scores = logits.sigmoid()
     else:
         scores = F.softplus(logits).sqrt()
     if table is not None:
         index = table[ids]
     else:
-        index = torch.topk(scores if bias is None else scores + bias, top_k, dim=-1).indices
+        keys = scores if bias is None else scores + bias
+        if groups > 1:
+            group_scores = keys.view(len(keys), groups, -1).topk(group_top, dim=-1).values.sum(dim=-1)
+            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
+                1, group_scores.topk(topk_group, dim=-1).indices, True)
+            keys = keys.masked_fill(~kept.repeat_interleave(keys.shape[-1] // groups, dim=-1), float("-inf"))
+        index = torch.topk(keys, top_k, dim=-1).indices
     top = scores.gather(1, index)
     if renormalize:
         top = top / (top.sum(dim=-1, keepdim=True) + eps)

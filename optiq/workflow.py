@@ -192,7 +192,7 @@ def _fuse_and_measure(job: Job, model, bandwidth: float, record: RunRecord, run_
         kernels = {}
         if job.profile or job.requested == "auto":
             kernels = _profile(job, model, "before", record.attribution_before, record, run_dir, hooks)
-        found = propose_all(job.catalog, kernels, model.config.model_type)
+        found = propose_all(job.catalog, kernels, model)
         record.fusion.proposals = {str(c): ps for c, ps in found.items()}
         names = choose_recipes(job.requested, job.catalog, found, job.min_share)
         if not names:
@@ -203,7 +203,7 @@ def _fuse_and_measure(job: Job, model, bandwidth: float, record: RunRecord, run_
         rechoose = None
         if job.requested == "auto":
             def rechoose(rejected: list[str]) -> list[str]:
-                again = propose_all(job.catalog, kernels, model.config.model_type, rejected)
+                again = propose_all(job.catalog, kernels, model, rejected)
                 return choose_recipes(job.requested, job.catalog, again, job.min_share)
         patches = fuse(model, job.catalog, names, record, plan, hooks, rechoose, ahead)
     if not patches.applied:

@@ -32,11 +32,12 @@ def bindings(model):
 
 @pytest.mark.parametrize("rival", ["attention_prologue", "qkv_proj"])
 def test_builtin_recipes_keep_logits_and_undo_restores_everything(tiny_model, rival):
-    """Every recipe at once (gate_up_swiglu rather than swiglu; of qkv_proj and attention_prologue, which patch the
-    same module, the one that is not ``rival``)."""
+    """Every recipe at once (gate_up_swiglu rather than swiglu, moe_router rather than its lossy rival
+    precision_flip; of qkv_proj and attention_prologue, which patch the same module, the one that is not
+    ``rival``)."""
     catalog = load_catalog()
     before, reference = bindings(tiny_model), decode(tiny_model)
-    patches = apply(tiny_model, [r for name, r in catalog.items() if name not in ("swiglu", rival)])
+    patches = apply(tiny_model, [r for name, r in catalog.items() if name not in ("swiglu", "precision_flip", rival)])
     applied = {row["recipe"]: row for row in patches.summary() if row["status"] == "applied"}
     attention = {"qkv_proj"} if rival == "attention_prologue" else {"attention_prologue"}
     assert {"rmsnorm", "add_rmsnorm", "rope", "decode_attention", "greedy_sample", "decode_linear"} | attention <= \

@@ -105,8 +105,18 @@ def test_the_router_is_proposed_once_although_two_recipes_patch_it(catalog, tmp_
 
 
 def test_moe_router_takes_the_routing_of_the_h200_moe_trace(catalog):
-    proposals = {p.recipe: p for p in propose(catalog, _kernels("qwen3-30b-a3b_eager_C1.json.gz"), "qwen3_moe")}
+    """Qwen3-MoE's router computes its logits in the model's dtype: given the model, precision_flip has no site there
+    and is not proposed, so moe_router takes the routing (with no model, a foreign trace's reader, the flip would)."""
+    import torch
+
+    from optiq.models import load_model
+
+    model = load_model("tiny-qwen3-moe", torch.float32, torch.device("cpu"))
+    kernels = _kernels("qwen3-30b-a3b_eager_C1.json.gz")
+    proposals = {p.recipe: p for p in propose(catalog, kernels, "qwen3_moe", model)}
     assert "routing in moe_router" in proposals["moe_router"].where and proposals["moe_router"].kernels_per_step > 48
+    assert "precision_flip" not in proposals
+    assert "precision_flip" in {p.recipe for p in propose(catalog, kernels, "qwen3_moe")}
 
 
 def _named(recipe, pct):
@@ -129,3 +139,19 @@ def test_attention_prologue_outranks_qkv_proj_and_takes_the_qk_norms(catalog, tm
     assert "attention_prologue" in proposals and "qkv_proj" not in proposals and "rope" not in proposals
     assert "qk_norm" in set(kernels["role"])
     assert "in norm" in proposals["rmsnorm"].where and "qk_norm" not in proposals["rmsnorm"].where
+
+
+def test_v4_attention_copies_go_to_decode_attention_not_to_the_compressor_pool(catalog):
+    """In DeepSeek-V4-Flash's eager C = 64 step the sparse attention's key and value gathers (copy_ in attention,
+    ~40% of the step) are decode_attention's to replace; the compressor's pooling runs in the same role and must
+    not claim them (it did, and decode_attention was left out of the V4-Flash row of session 25)."""
+    import torch
+
+    from optiq.models import load_model
+
+    model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
+    proposals = {p.recipe: p for p in propose(catalog, _kernels("deepseek-v4-flash_eager_C64.json.gz"),
+                                              "deepseek_v4", model)}
+    assert proposals["decode_attention"].covered_pct > 30 and "copy_ in attention" in proposals["decode_attention"].where
+    assert "compressor_pool" in proposals and "copy_" not in proposals["compressor_pool"].where
+

@@ -7,9 +7,13 @@ from dataclasses import astuple
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV4Config, Gemma3TextConfig, Phi3Config
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4Attention, DeepseekV4HyperConnection,
-                                                                 DeepseekV4IndexerScorer)
+from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, DeepseekV4Config, Gemma3TextConfig,
+                          Phi3Config)
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4Attention, DeepseekV4HashRouter,
+                                                                 DeepseekV4HyperConnection, DeepseekV4IndexerScorer,
+                                                                 DeepseekV4TopKRouter)
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -22,9 +26,10 @@ from optiq.patching import apply, unpatch
 from optiq.patching.replacements import mla as mla_replacements
 from optiq.patching.replacements import rope as rope_replacements
 from optiq.patching.replacements.indexer import indexer_scores_forward
-from optiq.patching.structure import (MlaSite, RotaryLayout, SwigluExpertsSite, gated_mlp, grouped_linear,
-                                      hyper_connection, indexer_scorer, mla_attention, pre_norm_decoder_layer,
-                                      rms_norm, rotary_layout, sandwich_norm_decoder_layer, swiglu_experts)
+from optiq.patching.structure import (MlaSite, RotaryLayout, SwigluExpertsSite, fp32_topk_router, gated_mlp,
+                                      grouped_linear, hyper_connection, indexer_scorer, mla_attention,
+                                      pre_norm_decoder_layer, rms_norm, rotary_layout, sandwich_norm_decoder_layer,
+                                      swiglu_experts, topk_router)
 
 from wrong_kernels import user_recipe
 
@@ -467,4 +472,68 @@ def test_mla_decode_is_kept_beyond_deepseek_v2_and_a_wrong_rotation_rolled_back(
             unpatch(model)
         assert report.rolled_back == (["mla_decode"] if wrong else []), report.recipes["mla_decode"]
         assert report.recipes["mla_decode"].calls > 0
+
+
+def _routing(site):
+    return site and (site.score, site.renormalize, site.bias, site.groups, site.logits, site.fp32_weights)
+
+
+@pytest.mark.parametrize("spec, routing", [
+    ("tiny-qwen3-moe", ("softmax", True, None, (1, 1, 2), "model", False)),
+    ("tiny-deepseek-v2", ("softmax", False, None, (1, 1, 2), "fp32", True)),
+    ("tiny:deepseek_v3", ("sigmoid", True, "e_score_correction_bias", (1, 1, 2), "fp32", True)),
+    ("tiny:mixtral", ("softmax", True, None, (1, 1, 2), "model", True)),
+    ("tiny:granitemoe", ("softmax", True, None, (1, 1, 2), "cast", False)),  # softmax of its top-k logits alone
+    ("tiny:gpt_oss", None),  # a bias in the logits' GEMM
+    ("tiny:ernie4_5_moe", None),  # the choice's statistics a child module's parameter
+])
+def test_routers_are_found_by_what_they_compute(spec, routing):
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+    routers = [m for m in model.modules() if type(m).__name__.endswith("Router")]
+    assert routers and {_routing(topk_router(m)) for m in routers} == {routing}
+    assert {fp32_topk_router(m) is not None for m in routers} == {routing is not None and routing[4] == "fp32"}
+
+
+def test_group_limited_bias_and_hash_routers_are_found_with_their_buffers():
+    """DeepSeek-V3's groups ranked by their two best (V2's by their best), V4's sqrt(softplus) with its selection
+    bias, and its hash routing's table, each with its scale."""
+    torch.manual_seed(0)
+    v3 = DeepseekV3TopkRouter(DeepseekV3Config(hidden_size=32, n_routed_experts=32, num_experts_per_tok=4, n_group=4,
+                                               topk_group=2, routed_scaling_factor=2.0))
+    v2 = DeepseekV2TopkRouter(DeepseekV2Config(hidden_size=32, n_routed_experts=32, num_experts_per_tok=4, n_group=8,
+                                               topk_group=3, topk_method="group_limited_greedy"))
+    v4 = DeepseekV4Config(hidden_size=32, num_local_experts=16, num_experts_per_tok=4, routed_scaling_factor=1.5)
+    for router in (v3, v2, DeepseekV4TopKRouter(v4), DeepseekV4HashRouter(v4)):
+        torch.nn.init.normal_(router.weight)
+    sites = [topk_router(router) for router in (v3, v2, DeepseekV4TopKRouter(v4), DeepseekV4HashRouter(v4))]
+    assert (sites[0].groups, sites[0].scale, sites[0].bias) == ((4, 2, 2), 2.0, "e_score_correction_bias")
+    assert (sites[1].groups, sites[1].renormalize, sites[1].score) == ((8, 3, 1), False, "softmax")
+    assert (sites[2].score, sites[2].bias, sites[2].scale, sites[2].table) == (
+        "sqrtsoftplus", "e_score_correction_bias", 1.5, None)
+    assert (sites[3].score, sites[3].table, sites[3].bias) == ("sqrtsoftplus", "tid2eid", None)
+
+
+@pytest.fixture(scope="module")
+def grouped_v3(tmp_path_factory):
+    """A DeepSeek-V3 checkpoint that routes within the best 2 of 4 groups of 16 experts."""
+    torch.manual_seed(0)
+    config = DeepseekV3Config(**{**TINY, "num_key_value_heads": 4}, n_routed_experts=16, num_experts_per_tok=2, n_group=4, topk_group=2,
+                              moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32,
+                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    path = tmp_path_factory.mktemp("grouped_v3")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return load_model(str(path), torch.float32, torch.device("cpu"))
+
+
+def test_group_limited_routing_is_kept_and_a_kernel_ignoring_the_groups_rolled_back(grouped_v3, tmp_path):
+    """moe_router on routing within the best groups, with its selection bias (zero in the checkpoint: the gate's
+    second pass redraws it, so a kernel that forgets it is caught); a kernel choosing among all groups is rolled
+    back."""
+    plan = GatePlan((2,), steps=3, prompt_len=9)
+    patches = apply(grouped_v3, [load_catalog()["moe_router"]])
+    report = validate(patches, plan)
+    assert report.passed and not report.rolled_back and report.recipes["moe_router"].calls > 0, report
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in report.constant_parameters
+    unpatch(grouped_v3)
+    assert_rolled_back(grouped_v3, plan, tmp_path, "moe_router", ("router_ignores_groups", "router_without_bias"))
 

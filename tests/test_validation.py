@@ -17,8 +17,8 @@ from wrong_kernels import user_recipe
 FAST = {"concurrencies": (1, 2), "steps": 3, "prompt_len": 5}
 
 
-@pytest.mark.parametrize("left_out", [{"gate_up_swiglu", "attention_prologue"}, {"swiglu", "qkv_proj"}],
-                         ids=["qkv_proj", "attention_prologue"])
+@pytest.mark.parametrize("left_out", [{"gate_up_swiglu", "attention_prologue", "precision_flip"},
+                                      {"swiglu", "qkv_proj", "moe_router"}], ids=["qkv_proj", "attention_prologue"])
 def test_builtin_recipes_pass(tiny_model, left_out):
     """Every recipe that applies, at once (of two that patch the same place, one per case)."""
     catalog = load_catalog()

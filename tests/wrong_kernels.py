@@ -99,6 +99,18 @@ def router_drops_last_expert(logits, top_k, renormalize, scale, out_dtype):
     return route_reference(logits[:, :-1], top_k, renormalize, scale, out_dtype)
 
 
+def router_ignores_groups(logits, top_k, groups=1, topk_group=1, group_top=2, **routing):
+    """A router that chooses among all experts where the model keeps its best groups' only (DeepSeek-V3's
+    group-limited choice dropped): the same experts whenever the best experts lie in the best groups."""
+    return route_reference(logits, top_k, **routing)
+
+
+def router_without_bias(logits, top_k, bias=None, **routing):
+    """A router that chooses on the scores alone, its selection bias forgotten: the same experts wherever the bias
+    is zero (a checkpoint's initial one)."""
+    return route_reference(logits, top_k, **routing)
+
+
 def mla_drops_last(q_lat, q_pe, c_cache, pe_cache, lengths, scale):
     """MLA decode that stops one position short: the new token's own latent is never attended to."""
     return mla_decode_reference(q_lat, q_pe, c_cache, pe_cache, lengths - 1, scale)

@@ -72,7 +72,7 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
             with status(f"profiling {model_spec} C={batch} ({mode})"):
                 timed = profile_step(model, batch, prompt_len, max_len, mode, run.path, steps)
                 attribution = attribute([timed], by, top)
-                proposals = propose(catalog, weighted_kernels([timed]), model.config.model_type)
+                proposals = propose(catalog, weighted_kernels([timed]), model.config.model_type, model)
             doc = {"concurrency": batch, "mode": mode, **attribution_document(attribution, [timed]),
                    "proposals": proposals_records(proposals)}
             write_json(run.path / f"attribution_C{batch}.json", doc)

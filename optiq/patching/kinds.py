@@ -18,7 +18,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 from optiq.patching.changes import Change, Site, set_attribute, set_item, together
-from optiq.patching.structure import STRUCTURES, takes_first
+from optiq.patching.structure import NARROWS, STRUCTURES, takes_first
 from optiq.patching.user_code import run
 
 if TYPE_CHECKING:
@@ -42,6 +42,11 @@ class PatchKind:
     def sites(self, model: torch.nn.Module, recipe: Recipe, fusion: Callable, factory: Callable) -> list[Site]:
         raise NotImplementedError
 
+    def has_site(self, model: torch.nn.Module, recipe: Recipe) -> bool:
+        """Whether the recipe could patch something in the model, found without building a replacement (so a
+        proposal names only recipes that can apply); True where only patching can tell."""
+        return True
+
     def call(self, path: Any) -> Callable:
         """A site's path (original, replacement or reference) as one callable of the arguments ``recorder`` saved."""
         return path
@@ -64,19 +69,27 @@ class ModuleForward(PatchKind):
 
     def claims(self, recipe):
         if recipe.patch_structure:
-            return (("module structure", recipe.patch_structure),)
+            return (("module structure", NARROWS.get(recipe.patch_structure, recipe.patch_structure)),)
         return tuple(("module class", target) for target in recipe.patch_target)
 
-    def sites(self, model, recipe, fusion, factory):
+    def _targets(self, model, recipe):
+        """(name, module) of every module the recipe's classes, names and structure take."""
         computes = STRUCTURES[recipe.patch_structure] if recipe.patch_structure else lambda module: True
-        found = []
         for name, module in model.named_modules():
             if ("*" in recipe.patch_target or type(module).__name__ in recipe.patch_target) and (
                     not recipe.patch_names or name.rsplit(".", 1)[-1] in recipe.patch_names) and computes(module):
-                label = name or type(module).__name__
-                found.append(Site(label, module.forward, run(f"patch.with on {label}", factory, module, fusion),
-                                  lambda fn, module=module: set_attribute(module, "forward", fn)))
+                yield name, module
+
+    def sites(self, model, recipe, fusion, factory):
+        found = []
+        for name, module in self._targets(model, recipe):
+            label = name or type(module).__name__
+            found.append(Site(label, module.forward, run(f"patch.with on {label}", factory, module, fusion),
+                              lambda fn, module=module: set_attribute(module, "forward", fn)))
         return found
+
+    def has_site(self, model, recipe):
+        return next(self._targets(model, recipe), None) is not None
 
 
 class Function(PatchKind):

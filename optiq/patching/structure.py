@@ -578,6 +578,143 @@ def swiglu_experts(module: torch.nn.Module) -> SwigluExpertsSite | None:
     return None
 
 
+ROUTER_SCORES = {"softmax": lambda logits: logits.softmax(dim=-1), "sigmoid": torch.sigmoid,
+                 "sqrtsoftplus": lambda logits: torch.nn.functional.softplus(logits).sqrt()}
+
+
+@dataclass(frozen=True)
+class RouterSite:
+    """How a top-k router routes, found by running it: the routing moe_router's kernel computes from its logits."""
+    top_k: int
+    score: str  # a key of ROUTER_SCORES
+    renormalize: bool
+    scale: float
+    bias: str | None  # the buffer added to the scores to choose the experts, not to weigh them (V3's, V4's)
+    table: str | None  # the token -> experts buffer of hash routing (its forward takes the input ids)
+    groups: tuple[int, int, int]  # (groups, groups kept, a group scored by its best 1 or sum of best 2); (1, 1, 2)
+    logits: str  # the logits GEMM: "model" (in the model's dtype), "fp32" (on operands cast to fp32: DeepSeek-V2's and
+    # V3's) or "cast" (in the model's dtype, its result cast to fp32: Granite's)
+    fp32_weights: bool  # the weights come out in fp32 whatever the model's dtype (Mixtral's, from bf16 logits)
+
+
+def _routing_candidates(module: torch.nn.Module, experts: int, top_k: int):
+    """Every routing the kernel computes that the module's attributes could configure: each score, with or without
+    each [E] float buffer as the selection bias, in each grouping its int attributes allow, renormalised or not,
+    scaled by 1 or by each of its float attributes."""
+    biases = [name for name, b in module.named_buffers(recurse=False) if b.is_floating_point() and b.shape == (experts,)]
+    ints = sorted({v for v in vars(module).values() if type(v) is int and v > 0})
+    groupings = [(1, 1, 2)] + [(g, kept, top) for g in ints if 1 < g < experts and experts % g == 0
+                               for kept in ints if kept < g for top in (1, 2) if experts // g >= top]
+    scales = [1.0] + sorted({v for v in vars(module).values() if type(v) is float and v > 0})
+    return [(score, bias, grouping, renormalize, scale) for score in ROUTER_SCORES for bias in (None, *biases)
+            for grouping in groupings for renormalize in (False, True) for scale in scales]
+
+
+def _route_float64(logits, top_k, score, bias, grouping, renormalize, scale, table_rows):
+    """A candidate routing in float64: (weights, expert ids) with each row's experts in ascending id order."""
+    scores = ROUTER_SCORES[score](logits)
+    if table_rows is not None:
+        index = table_rows
+    else:
+        keys = scores if bias is None else scores + bias
+        groups, kept, top = grouping
+        if groups > 1:
+            group_scores = keys.view(len(keys), groups, -1).topk(top, dim=-1).values.sum(-1)
+            allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
+                1, group_scores.topk(kept, dim=-1).indices, True)
+            keys = keys.masked_fill(~allowed.repeat_interleave(keys.shape[-1] // groups, dim=-1), float("-inf"))
+        index = keys.topk(top_k, dim=-1).indices
+    index = index.sort(dim=-1).values
+    weights = scores.gather(1, index)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * scale, index
+
+
+def topk_router(module: torch.nn.Module) -> RouterSite | None:
+    """A transformers 5 top-k router: one parameter, ``weight`` [E, H] (children without any: V4's score function);
+    a forward from the hidden states (and, for hash routing, the input ids) to (logits [T, E], weights [T, k], expert
+    ids [T, k]). Run on a bf16 copy (which of its logits and weights come out in fp32), then on a float64 copy with a
+    random weight and random buffers (a zero selection bias would hide itself), its weights and experts matched
+    against every routing ``_routing_candidates`` lists, to fp32's precision (routers cast to it whatever their
+    input): a router that computes something else (a softmax over the chosen logits only, a bias in the weights, a
+    jitter) matches none. Experts are compared as sets: HF's routers pick with sorted=False."""
+    params = dict(module.named_parameters(recurse=False))
+    weight = params.get("weight")
+    try:  # the class's forward: an instance's may be a recipe's, closing over the module it patched
+        names = list(inspect.signature(type(module).forward).parameters)[1:3]
+    except (TypeError, ValueError):
+        return None
+    if (set(params) != {"weight"} or weight.dim() != 2 or names[:1] != ["hidden_states"]
+            or any(True for child in module.children() for _ in child.parameters())):
+        return None
+    hashed = names == ["hidden_states", "input_ids"]
+    tables = [name for name, b in module.named_buffers(recurse=False) if b.dim() == 2 and not b.is_floating_point()]
+    if hashed != bool(tables) or len(tables) > 1:
+        return None
+    experts, hidden_size = weight.shape
+    generator = torch.Generator().manual_seed(0)
+
+    def run(dtype, randomize: bool):
+        """The router's output on a copy in ``dtype`` (its parameters and buffers drawn at random if ``randomize``),
+        with the copy; None for a forward of another form."""
+        router = copy.deepcopy(module).to(device="cpu", dtype=dtype)
+        with torch.no_grad():
+            if randomize:
+                router.weight.normal_(0.0, 2 / hidden_size**0.5, generator=generator)
+            for name, buffer in router.named_buffers(recurse=False):
+                if randomize and buffer.is_floating_point():
+                    buffer.normal_(0.0, 0.3, generator=generator)
+                elif randomize and name in tables:
+                    buffer.copy_(torch.stack([torch.randperm(experts, generator=generator)[:buffer.shape[1]]
+                                              for _ in range(len(buffer))]))
+        hidden = torch.randn(2 * PROBE_ROWS, hidden_size, generator=generator, dtype=torch.float64).to(dtype)
+        ids = torch.randint(getattr(router, tables[0]).shape[0], (len(hidden),), generator=generator) if hashed \
+            else None
+        try:
+            with torch.no_grad():
+                out = type(module).forward(router, hidden, *((ids,) if hashed else ()))
+        except Exception:  # noqa: BLE001 - a forward of another form: another structure
+            return None
+        if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+            return None
+        logits, weights, index = out
+        if (logits.shape != (len(hidden), experts) or weights.shape != index.shape or index.dim() != 2
+                or len(index) != len(hidden) or index.is_floating_point()):
+            return None
+        return router, hidden, logits, weights, index, ids
+
+    half, full = run(torch.bfloat16, False), run(torch.float64, True)
+    if half is None or full is None:
+        return None
+    probe, _, logits, weights, index, ids = full
+    _, hidden, half_logits, half_weights, *_ = half
+    logits_kind = "model"
+    if half_logits.dtype == torch.float32:
+        w = half[0].weight  # the bf16 copy's
+        logits_kind = "fp32" if torch.equal(half_logits, torch.nn.functional.linear(hidden.float(), w.float())) \
+            else "cast"
+    top_k = index.shape[1]
+    order = index.argsort(dim=-1)
+    got_index, got_weights = index.gather(1, order), weights.gather(1, order).double()
+    table_rows = getattr(probe, tables[0])[ids] if hashed else None
+    for score, bias, grouping, renormalize, scale in _routing_candidates(probe, experts, top_k):
+        want_weights, want_index = _route_float64(logits.double(), top_k, score,
+                                                  None if bias is None else getattr(probe, bias), grouping,
+                                                  renormalize, scale, table_rows)
+        if torch.equal(want_index, got_index) and torch.allclose(want_weights, got_weights, rtol=1e-5, atol=1e-8):
+            return RouterSite(top_k, score, renormalize, scale, bias, tables[0] if hashed else None, grouping,
+                              logits_kind, half_weights.dtype == torch.float32)
+    return None
+
+
+def fp32_topk_router(module: torch.nn.Module) -> RouterSite | None:
+    """A top-k router (``topk_router``) whose logits GEMM runs on operands it casts to fp32, by choice: the site of a
+    precision flip."""
+    site = topk_router(module)
+    return site if site is not None and site.logits == "fp32" and site.table is None else None
+
+
 @dataclass(frozen=True)
 class IndexerScorerSite:
     projection: str  # the attribute holding the nn.Linear that gives the heads' weights
@@ -630,4 +767,7 @@ STRUCTURES = {"rms_norm": rms_norm, "gated_mlp": gated_mlp, "qkv_attention": qkv
               "pre_norm_decoder_layer": pre_norm_decoder_layer,
               "sandwich_norm_decoder_layer": sandwich_norm_decoder_layer, "hyper_connection": hyper_connection,
               "grouped_linear": grouped_linear, "swiglu_experts": swiglu_experts, "indexer_scorer": indexer_scorer,
-              "mla_attention": mla_attention}
+              "mla_attention": mla_attention, "topk_router": topk_router,
+              "fp32_topk_router": fp32_topk_router}
+NARROWS = {"fp32_topk_router": "topk_router"}  # structures whose sites are some of another's: a recipe on either
+# claims the wider one's sites, so two recipes on them are rivals

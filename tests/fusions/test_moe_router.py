@@ -173,6 +173,60 @@ def test_v4_reference_is_hf_routing(request):
     torch.testing.assert_close(weights.gather(-1, index.argsort(-1)), want_weights.gather(-1, want_index.argsort(-1)))
 
 
+def v3_expected(logits, top_k, bias, groups, topk_group, group_top=2, scale=2.5):
+    """DeepSeek-V3's routing in float64 with its rules spelled out: sigmoid scores, groups ranked by the sum of their
+    ``group_top`` best score + bias, experts of the kept groups by score + bias (ties to the lower index, groups and
+    experts), weighted by their scores, renormalised and scaled."""
+    scores = logits.double().sigmoid()
+    keys = scores + bias.double()
+    size = logits.shape[-1] // groups
+    group_scores = keys.view(len(keys), groups, size).sort(-1, descending=True).values[..., :group_top].sum(-1)
+    kept = torch.sort(-group_scores, dim=-1, stable=True).indices[:, :topk_group]
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+    keys = keys.masked_fill(~allowed.repeat_interleave(size, dim=-1), float("-inf"))
+    index = torch.sort(-keys, dim=-1, stable=True).indices[:, :top_k]
+    top = scores.gather(-1, index)
+    return top / top.sum(-1, keepdim=True) * scale, index
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("tokens, experts, top_k, groups, topk_group, group_top", [
+    (1, 16, 4, 1, 1, 2), (3, 32, 6, 4, 2, 2), (17, 64, 8, 8, 3, 2), (5, 16, 2, 8, 8, 2), (17, 64, 6, 8, 3, 1),
+])
+def test_sigmoid_routing_in_groups_with_selection_bias(request, tokens, experts, top_k, groups, topk_group,
+                                                       group_top):
+    """DeepSeek-V3's learned routing: experts chosen on sigmoid + bias within the best groups (scored by their two
+    best, or by their best as V2's group-limited greedy); a bias large enough to reorder the choice, and the groups
+    kept must change the experts (else the case proves nothing)."""
+    gen = torch.Generator().manual_seed(seed_of(request))
+    logits = (torch.randn(tokens, experts, generator=gen) * 3).to(SMALL_DEVICE)
+    bias = (torch.randn(experts, generator=gen) * 0.5).to(SMALL_DEVICE)
+    weights, index = route(logits, top_k, True, 2.5, score="sigmoid", bias=bias, groups=groups,
+                           topk_group=topk_group, group_top=group_top)
+    want_weights, want_index = v3_expected(logits, top_k, bias, groups, topk_group, group_top)
+    assert torch.equal(index.cpu(), want_index.cpu()), f"{index.tolist()} != {want_index.tolist()}"
+    torch.testing.assert_close(weights.double(), want_weights, rtol=1e-6, atol=1e-6)
+    if topk_group < groups:
+        assert not torch.equal(index, route(logits, top_k, True, 2.5, score="sigmoid", bias=bias)[1])
+
+
+def test_v3_reference_is_hf_routing(request):
+    """route_reference's sigmoid, group-limited path is DeepseekV3TopkRouter's own forward on the CPU."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    config = DeepseekV3Config(hidden_size=32, n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2)
+    torch.manual_seed(seed_of(request))
+    router = DeepseekV3TopkRouter(config)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    router.e_score_correction_bias.normal_(std=0.5)
+    logits, weights, index = router(torch.randn(5, 32))
+    want_weights, want_index = route_reference(logits, 4, True, config.routed_scaling_factor, score="sigmoid",
+                                               eps=1e-20, bias=router.e_score_correction_bias, groups=4,
+                                               topk_group=2)
+    assert torch.equal(index.sort(-1).values, want_index.sort(-1).values)
+    torch.testing.assert_close(weights.gather(-1, index.argsort(-1)), want_weights.gather(-1, want_index.argsort(-1)))
+
+
 @needs_cuda
 @pytest.mark.parametrize("tokens", [1, 16, 64])
 def test_v4_flash_router_cuda(tokens):
