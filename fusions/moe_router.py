@@ -1,11 +1,12 @@
 """MoE routing in one kernel: scores over the experts, top-k, optional renormalisation and scaling, one cast.
 
 HF's top-k routers spend 4-9 kernels per layer on this (softmax, topk, sum and divide or multiply, cast): at decode,
-launches rather than bytes. The scores are a softmax (Qwen3-MoE, DeepSeek-V2) or DeepSeek-V4's sqrt(softplus), each
-rounded to the logits' dtype as the model rounds them (so the choice is made on the values the model compares). The
-experts may be chosen on the scores plus a per-expert selection bias that does not enter the weights (V4's
-correction term), or not chosen at all but read from a token -> experts table (V4's hash routing), the weights still
-the scores of those experts. Two entry points share the routing kernel:
+launches rather than bytes. The scores are a softmax (Qwen3-MoE, Mixtral, DeepSeek-V2), a sigmoid (DeepSeek-V3) or
+DeepSeek-V4's sqrt(softplus), the last two rounded to the logits' dtype as the model rounds them (so the choice is
+made on the values the model compares). The experts may be chosen on the scores plus a per-expert selection bias
+that does not enter the weights (V3's and V4's correction term), among the best groups of experts only (DeepSeek's
+group-limited choice), or not chosen at all but read from a token -> experts table (V4's hash routing), the weights
+still the scores of those experts. Two entry points share the routing kernel:
 
 - ``route(logits, ...)`` takes the logits as the model computed them (Qwen3-MoE's bf16 F.linear). Equal logits give
   equal probabilities here as in torch, and among equal probabilities the lower expert index is taken first, the
