@@ -14,4 +14,3 @@ def poisoned_empty(monkeypatch):
         return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
 
     monkeypatch.setattr(torch, "empty", nan_empty)
-
