@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from optiq.traces.attribution import weighted_kernels
-from optiq.catalog.proposals import propose
+from optiq.catalog.proposals import propose, with_sites
 from optiq.catalog.recipes import load_catalog
 from optiq.traces.reader import read_trace
 
@@ -113,7 +113,7 @@ def test_moe_router_takes_the_routing_of_the_h200_moe_trace(catalog):
 
     model = load_model("tiny-qwen3-moe", torch.float32, torch.device("cpu"))
     kernels = _kernels("qwen3-30b-a3b_eager_C1.json.gz")
-    proposals = {p.recipe: p for p in propose(catalog, kernels, "qwen3_moe", model)}
+    proposals = {p.recipe: p for p in propose(with_sites(catalog, model), kernels, "qwen3_moe")}
     assert "routing in moe_router" in proposals["moe_router"].where and proposals["moe_router"].kernels_per_step > 48
     assert "precision_flip" not in proposals
     assert "precision_flip" in {p.recipe for p in propose(catalog, kernels, "qwen3_moe")}
@@ -150,8 +150,8 @@ def test_v4_attention_copies_go_to_decode_attention_not_to_the_compressor_pool(c
     from optiq.models import load_model
 
     model = load_model("tiny-deepseek-v4", torch.float32, torch.device("cpu"))
-    proposals = {p.recipe: p for p in propose(catalog, _kernels("deepseek-v4-flash_eager_C64.json.gz"),
-                                              "deepseek_v4", model)}
+    proposals = {p.recipe: p for p in propose(with_sites(catalog, model),
+                                              _kernels("deepseek-v4-flash_eager_C64.json.gz"), "deepseek_v4")}
     assert proposals["decode_attention"].covered_pct > 30 and "copy_ in attention" in proposals["decode_attention"].where
     assert "compressor_pool" in proposals and "copy_" not in proposals["compressor_pool"].where
 

@@ -24,12 +24,17 @@ def _coverage(recipe: Recipe, kernels: pd.DataFrame, has_roles: bool) -> pd.Seri
     return covered
 
 
-def propose(catalog: dict[str, Recipe], kernels: pd.DataFrame, model_type: str | None,
-            model: torch.nn.Module | None = None) -> list[Proposal]:
-    """Rank the recipes applicable to ``model_type`` (None: a foreign trace, all of them) and, given the ``model``,
-    with a site in it (a precision flip proposed for a router that computes in the model's dtype would keep the
-    plain routing recipe out) against ``kernels``, the per-step weighted kernel table
-    (``optiq.traces.attribution.weighted_kernels``).
+def with_sites(catalog: dict[str, Recipe], model: torch.nn.Module) -> dict[str, Recipe]:
+    """The recipes with a site in ``model`` (``PatchKind.has_site``): the candidates to propose for it, found once
+    for all its concurrencies. A precision flip proposed for a router that computes in the model's dtype would keep
+    the plain routing recipe out."""
+    return {name: recipe for name, recipe in catalog.items() if KINDS[recipe.patch_kind].has_site(model, recipe)}
+
+
+def propose(catalog: dict[str, Recipe], kernels: pd.DataFrame, model_type: str | None) -> list[Proposal]:
+    """Rank the recipes applicable to ``model_type`` (None: a foreign trace, all of them) against ``kernels``, the
+    per-step weighted kernel table (``optiq.traces.attribution.weighted_kernels``); given a model, ``catalog`` is
+    ``with_sites`` of it.
 
     Greedy, largest first: each kernel counts for one recipe only, so the proposals' savings add up, and a recipe
     that patches a place an earlier proposal patches is dropped."""
@@ -37,8 +42,7 @@ def propose(catalog: dict[str, Recipe], kernels: pd.DataFrame, model_type: str |
     total_us = float(time_us.sum())
     has_roles = bool((kernels["role"] != NO_ROLE).any())
     candidates = {name: recipe for name, recipe in catalog.items()
-                  if (model_type is None or recipe.applies_to(model_type))
-                  and (model is None or KINDS[recipe.patch_kind].has_site(model, recipe))}
+                  if model_type is None or recipe.applies_to(model_type)}
     unclaimed = pd.Series(True, index=kernels.index)
     taken: set[tuple] = set()
     proposals = []
@@ -67,8 +71,8 @@ def propose(catalog: dict[str, Recipe], kernels: pd.DataFrame, model_type: str |
 def propose_all(catalog: dict[str, Recipe], kernels: dict[int, pd.DataFrame], model: torch.nn.Module,
                 rejected=()) -> dict[int, list[Proposal]]:
     """The proposals per concurrency of the model's profiled kernel tables, leaving out ``rejected`` recipes."""
-    candidates = {n: r for n, r in catalog.items() if n not in rejected}
-    return {c: propose(candidates, k, model.config.model_type, model) for c, k in kernels.items()}
+    candidates = with_sites({n: r for n, r in catalog.items() if n not in rejected}, model)
+    return {c: propose(candidates, k, model.config.model_type) for c, k in kernels.items()}
 
 
 def named_recipes(requested: str, catalog: dict[str, Recipe]) -> list[str]:

@@ -36,7 +36,7 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
     device, mode = resolve_device_and_mode(device, mode)  # first: it picks Triton's interpreter on the CPU
     from dataclasses import asdict
 
-    from optiq.catalog.proposals import propose
+    from optiq.catalog.proposals import propose, with_sites
     from optiq.catalog.recipes import load_catalog
     from optiq.engine import graph_mode_problem
     from optiq.commands.views import attribution_view, proposals_records, proposals_table
@@ -68,11 +68,12 @@ def profile(model_spec, dtype, device, concurrency, prompt_len, max_len, steps, 
             if problem:
                 err.print(f"note: {visible(problem)}: profiled in eager mode")
                 mode = args["mode"] = "eager"
+        candidates = with_sites(catalog, model)
         for batch in concurrencies:
             with status(f"profiling {model_spec} C={batch} ({mode})"):
                 timed = profile_step(model, batch, prompt_len, max_len, mode, run.path, steps)
                 attribution = attribute([timed], by, top)
-                proposals = propose(catalog, weighted_kernels([timed]), model.config.model_type, model)
+                proposals = propose(candidates, weighted_kernels([timed]), model.config.model_type)
             doc = {"concurrency": batch, "mode": mode, **attribution_document(attribution, [timed]),
                    "proposals": proposals_records(proposals)}
             write_json(run.path / f"attribution_C{batch}.json", doc)
