@@ -16,14 +16,11 @@ def attention_prologue(x: torch.Tensor, w_qkv: torch.Tensor, split_sizes: tuple[
                        bias: torch.Tensor | None, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                        q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                       eps: float = 1e-6, offset: bool = False, norm_eps: float | None = None,
-                       **layout: bool) -> torch.Tensor:
+                       eps: float = 1e-6, offset: bool = False, **layout: bool) -> torch.Tensor:
     """x [B, S, H] -> q [B, Hq, S, D], normed (with the norm weights, 1 + w with ``offset``) and rotated (in the
     layout rope's keywords in ``layout`` name); the rotated k and the v of token s of sequence b land in k_cache,
-    v_cache [B, Hkv, L, D] at slot positions[b] + s (positions [B], any stride). With ``norm_eps`` x is
-    RMS-normalised first, inside the GEMM (qkv_proj): the layer's input norm, its weight folded into w_qkv."""
-    q, k, v = (t.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
-               for t in qkv_proj(x, w_qkv, split_sizes, bias, norm_eps))
+    v_cache [B, Hkv, L, D] at slot positions[b] + s (positions [B], any stride)."""
+    q, k, v = (t.view(*x.shape[:-1], -1, head_dim).transpose(1, 2) for t in qkv_proj(x, w_qkv, split_sizes, bias))
     rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v=v, k_cache=k_cache, v_cache=v_cache,
          positions=positions, offset=offset, **layout)
     return q

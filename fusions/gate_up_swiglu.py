@@ -16,11 +16,6 @@ import triton.language as tl
 
 from optiq.fusions.activation import activation_index, activation_reference, gated_activation
 from optiq.fusions.launch import launch_options, prefetch_options, prefetch_rows, wait_for_predecessor
-from optiq.fusions.rmsnorm import launch_rmsnorm
-
-# Rows up to which a folded norm's sums of squares ride in the GEMM (x @ x.T beside the product); past them (a
-# prompt's thousands) that dot would cost as much as the product itself, and x is normalised first by rmsnorm's kernel.
-FOLD_ROWS = 64
 
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -41,40 +36,23 @@ def dot_accumulate(a, b, acc, FP32_DOT: tl.constexpr):
 
 @triton.jit
 def stream_dot(x_ptr, w_ptr, rows, w_rows, M, W_ROWS, K, stride_xm, stride_xk, stride_wn, stride_wk,
-               BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
-               SQUARES: tl.constexpr = False):
-    """(x[rows] @ w[w_rows].T [BLOCK_M, BLOCK_W] over all of K, accumulated in fp32: the K loop of a decode GEMM,
-    whose cost is streaming w's rows (rows past M and w rows past W_ROWS read as zeros); with SQUARES, each row's
-    sum of squares [BLOCK_M] over the same K, else zeros).
-
-    The sums of squares (an RMSNorm folded into this GEMM) come from a second dot, x @ x.T, whose diagonal they
-    are: the x tile feeds tensor cores twice and nothing else, so the loop stays what the pipeliner keeps full (a
-    sum of squares reduced from the x tile inside the loop made a gate/up GEMM 2.5x slower at one row)."""
+               BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr):
+    """x[rows] @ w[w_rows].T [BLOCK_M, BLOCK_W] over all of K, accumulated in fp32: the K loop of a decode GEMM,
+    whose cost is streaming w's rows (rows past M and w rows past W_ROWS read as zeros)."""
     cols_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols_k[None, :] * stride_xk
     w_ptrs = w_ptr + w_rows[None, :].to(tl.int64) * stride_wn + cols_k[:, None] * stride_wk
     row_mask = rows[:, None] < M
     w_mask = w_rows[None, :] < W_ROWS
     acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
-    gram = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = cols_k + k0 < K
         x = tl.load(x_ptrs, mask=row_mask & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=w_mask & k_mask[:, None], other=0.0)
         acc = dot_accumulate(x, w, acc, FP32_DOT)
-        if SQUARES:
-            gram = dot_accumulate(x, tl.trans(x), gram, FP32_DOT)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
-    return acc, tl.sum(tl.where(diagonal, gram, 0.0), axis=1)
-
-
-@triton.jit
-def inverse_rms(squares, K, eps):
-    """1 / sqrt(mean(x^2) + eps) of each row from its sum of squares over K: the RMSNorm factor the GEMM's
-    accumulator takes in its epilogue, where the norm's weight was folded into the GEMM's weight columns."""
-    return tl.math.rsqrt(squares / K + eps)
+    return acc
 
 
 def fp32_dot(dtype: torch.dtype) -> bool:
@@ -85,14 +63,12 @@ def fp32_dot(dtype: torch.dtype) -> bool:
 @triton.jit
 def _gate_up_gemm_swiglu_kernel(
     x_ptr, w_ptr, out_ptr,
-    M, N, K, norm_eps,
+    M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
-    ACTIVATION: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-    LINE: tl.constexpr,
+    ACTIVATION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
-    """Output tile [BLOCK_M, BLOCK_N] of act(gate) * up; its weight tile is 2 * BLOCK_N interleaved rows. With NORM,
-    x is RMS-normalised first (its norm weight already folded into w): gate and up scaled by each row's 1 / rms.
+    """Output tile [BLOCK_M, BLOCK_N] of act(gate) * up; its weight tile is 2 * BLOCK_N interleaved rows.
 
     Program ids run over M fastest, so the M tiles that share a weight tile run together and share it through L2.
     """
@@ -103,10 +79,8 @@ def _gate_up_gemm_swiglu_kernel(
     w_rows = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
     prefetch_rows(w_ptr, w_rows, 2 * N, K, stride_wn, stride_wk, PREFETCH_LINES, LINE)
     wait_for_predecessor(USE_PDL)
-    acc, squares = stream_dot(x_ptr, w_ptr, rows, w_rows, M, 2 * N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                              BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP32_DOT, NORM)
-    if NORM:
-        acc *= inverse_rms(squares, K, norm_eps)[:, None]
+    acc = stream_dot(x_ptr, w_ptr, rows, w_rows, M, 2 * N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                     BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP32_DOT)
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     out = gated_activation(gate, ACTIVATION) * up
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -129,42 +103,34 @@ def _tile_config(rows: int, intermediate: int) -> dict:
 
 
 @torch.library.triton_op("optiq::gate_up_swiglu", mutates_args=())
-def _gate_up_swiglu_op(x: torch.Tensor, w_gate_up: torch.Tensor, activation: int,
-                       norm_eps: float | None = None) -> torch.Tensor:
+def _gate_up_swiglu_op(x: torch.Tensor, w_gate_up: torch.Tensor, activation: int) -> torch.Tensor:
     hidden = x.shape[-1]
     intermediate = w_gate_up.shape[0] // 2
     x2d = x.reshape(-1, hidden)
     rows = x2d.shape[0]
-    if norm_eps is not None and rows > FOLD_ROWS:
-        x2d = torch.empty_like(x2d)
-        launch_rmsnorm(x, None, None, norm_eps, False, x2d, None, unit_weight=True)
-        norm_eps = None
     out = torch.empty((*x.shape[:-1], intermediate), dtype=x.dtype, device=x.device)
     out2d = out.view(rows, intermediate)
     config = _tile_config(rows, intermediate)
     grid = (triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(intermediate, config["BLOCK_N"]),)
     launch = launch_options(x)
     torch.library.wrap_triton(_gate_up_gemm_swiglu_kernel)[grid](
-        x2d, w_gate_up, out2d, rows, intermediate, hidden, 0.0 if norm_eps is None else norm_eps,
+        x2d, w_gate_up, out2d, rows, intermediate, hidden,
         *x2d.stride(), *w_gate_up.stride(), *out2d.stride(),
-        FP32_DOT=fp32_dot(x.dtype), ACTIVATION=activation, NORM=norm_eps is not None, **config, **launch,
+        FP32_DOT=fp32_dot(x.dtype), ACTIVATION=activation, **config, **launch,
         **prefetch_options(launch, 2 * config["BLOCK_N"], hidden, w_gate_up.element_size()),
     )
     return out
 
 
-def gate_up_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str = "silu",
-                   norm_eps: float | None = None) -> torch.Tensor:
+def gate_up_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """x [..., H], w_gate_up [2I, H] from interleave_gate_up -> act(gate) * up [..., I], in x's dtype (act: silu,
-    or gelu_tanh for GeGLU). With ``norm_eps``, of RMSNorm(x) instead: w_gate_up's columns already scaled by the
-    norm's weight (w or 1 + w, folded in by the caller), the GEMM scales each row by 1 / sqrt(mean(x^2) + norm_eps), and the norm's
-    kernel and its round trip of x are gone.
+    or gelu_tanh for GeGLU).
 
     Accumulates and applies SwiGLU in fp32, rounding once at the end (eager rounds gate and up to the model dtype).
     """
     if w_gate_up.shape[0] % 2 or w_gate_up.shape[1] != x.shape[-1]:
         raise ValueError(f"w_gate_up {tuple(w_gate_up.shape)} is not [2I, {x.shape[-1]}]")
-    return torch.ops.optiq.gate_up_swiglu(x, w_gate_up, activation_index(activation), norm_eps)
+    return torch.ops.optiq.gate_up_swiglu(x, w_gate_up, activation_index(activation))
 
 
 def gate_up_swiglu_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,

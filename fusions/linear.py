@@ -7,9 +7,7 @@ down_proj, llama-3.1-8b's down_proj) or leaves SMs idle (96 CTAs for llama-3.1-8
 cuBLAS on every preset GEMM measured (scripts/tiles.py linear; BENCHMARKS.md has the times). Past DECODE_ROWS rows
 the GEMM goes to cuBLAS, through F.linear, which was faster there.
 A residual may be added in the epilogue (the decoder layer's add after down_proj), so the sum is written once, with
-one rounding, and costs no kernel of its own. And the RMSNorm before the GEMM may be folded into it: the norm's
-weight scales W's columns once (the caller's), the kernel sums each row's squares beside its dot and scales the
-accumulator by 1 / rms in the epilogue, so the norm's own kernel, and the round trip of x through it, are gone.
+one rounding, and costs no kernel of its own.
 A projection too narrow to give every SM an output tile (a 1024-column o_proj is 32 tiles for 132 SMs) has its K cut
 into slices, split-K, still in the one launch: each program writes its fp32 partial sum, and the last program of a
 tile to arrive (an arrival counter per tile, left at zero for the next launch) adds the partials in slice order and
@@ -23,10 +21,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from optiq.fusions.gate_up_swiglu import fp32_dot, inverse_rms, stream_dot
+from optiq.fusions.gate_up_swiglu import fp32_dot, stream_dot
 from optiq.fusions.launch import (launch_options, multiprocessor_count, prefetch_options, prefetch_rows,
                                  shared_memory_per_multiprocessor, wait_for_predecessor)
-from optiq.fusions.rmsnorm import launch_rmsnorm
 
 DECODE_ROWS = 16  # rows up to which the streaming kernel is used
 MAX_BLOCK_M = 64  # the kernel's largest M tile: every row of x in one tile, so W is read once
@@ -39,18 +36,16 @@ TILE_GRID = [dict(BLOCK_N=n, BLOCK_K=k, SPLITS=splits)  # what scripts/tiles.py 
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_per_split, norm_eps,
+    x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K, k_per_split,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
     stride_xg, stride_wg, stride_og,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     """Output columns [BLOCK_N] of every row (M <= BLOCK_M) of group program_id(1) (x, w and out advanced by their
-    group strides; one group for a plain linear), accumulated in fp32 over K slice program_id(2) of SPLITS, scaled
-    by each row's 1 / rms with NORM (one slice), the bias and the residual added to the whole sum before its one
-    rounding.
+    group strides; one group for a plain linear), accumulated in fp32 over K slice program_id(2) of SPLITS, the bias
+    and the residual added to the whole sum before its one rounding.
 
     With SPLITS > 1 each program writes its fp32 partial sum to ``partial_ptr`` and counts itself in the tile's
     arrival counter; the last to arrive adds the SPLITS partials in split order (the same sum whichever program is
@@ -67,10 +62,8 @@ def _linear_kernel(
     k_slice = tl.minimum(K - split * k_per_split, k_per_split)
     prefetch_rows(w_ptr, cols, N, k_slice, stride_wn, stride_wk, PREFETCH_LINES, LINE)
     wait_for_predecessor(USE_PDL)
-    acc, squares = stream_dot(x_ptr, w_ptr, rows, cols, M, N, k_slice,
-                              stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, NORM)
-    if NORM:
-        acc *= inverse_rms(squares, K, norm_eps)[:, None]
+    acc = stream_dot(x_ptr, w_ptr, rows, cols, M, N, k_slice,
+                     stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT)
     last = True
     if SPLITS > 1:
         tile = group * tl.num_programs(0) + tl.program_id(0)
@@ -148,21 +141,14 @@ def arrival_counters(device: torch.device) -> torch.Tensor:
 
 
 def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, arrivals: torch.Tensor,
-                  residual: torch.Tensor | None = None, groups: int = 1, norm_eps: float | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
     """The kernel for up to DECODE_ROWS rows of x, cuBLAS past them (with the residual in its epilogue, addmm, when
-    there is no bias; one batched GEMM over the groups; x normalised first by rmsnorm's row kernel, with no weight,
-    when ``norm_eps`` folds a norm in). Called from inside a triton_op; ``arrivals`` are arrival_counters(x.device),
-    which the op mutates (and leaves as it found them)."""
+    there is no bias; one batched GEMM over the groups). Called from inside a triton_op; ``arrivals`` are
+    arrival_counters(x.device), which the op mutates (and leaves as it found them)."""
     k = x.shape[-1]
     n = weight.shape[0] // groups
     x3d = x.reshape(-1, groups, k)
     rows = x3d.shape[0]
-    if norm_eps is not None and groups > 1:
-        raise ValueError("a norm folds into a plain projection only, not a grouped one")
-    if rows > DECODE_ROWS and norm_eps is not None:
-        normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        launch_rmsnorm(x, None, None, norm_eps, False, normed, None, unit_weight=True)
-        return launch_linear(normed, weight, bias, arrivals, residual)
     if rows > DECODE_ROWS:
         if groups > 1:
             out = torch.bmm(x3d.transpose(0, 1), weight.view(groups, n, k).transpose(1, 2)).transpose(0, 1)
@@ -177,18 +163,15 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     r2d = residual.reshape(rows, n) if residual is not None else out3d[:, 0]
     config = tile_config(groups * n, k, x.device, rows, x.element_size())  # the programs of every group share SMs
     tiles = triton.cdiv(n, config["BLOCK_N"])
-    # a folded norm needs each row's sum of squares over all of K in the program that finishes the tile: one slice
-    sliced = groups * tiles <= arrivals.numel() and norm_eps is None
-    k_per_split, splits = k_slices(k, config["SPLITS"] if sliced else 1, config["BLOCK_K"])
+    k_per_split, splits = k_slices(k, config["SPLITS"] if groups * tiles <= arrivals.numel() else 1, config["BLOCK_K"])
     launch = launch_options(x, programs=groups * tiles * splits)
     partials = torch.empty((groups * tiles * splits * config["BLOCK_M"] * config["BLOCK_N"],) if splits > 1 else (1,),
                            dtype=torch.float32, device=x.device)
     torch.library.wrap_triton(_linear_kernel)[(tiles, groups, splits)](
         x3d, weight, bias if bias is not None else weight, r2d, out3d, partials, arrivals, rows, n, k, k_per_split,
-        0.0 if norm_eps is None else norm_eps, x3d.stride(0), x3d.stride(2), *weight.stride(), *r2d.stride(), out3d.stride(0), out3d.stride(2),
+        x3d.stride(0), x3d.stride(2), *weight.stride(), *r2d.stride(), out3d.stride(0), out3d.stride(2),
         x3d.stride(1), n * weight.stride(0), out3d.stride(1),
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, NORM=norm_eps is not None,
-        FP32_DOT=fp32_dot(x.dtype),
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, FP32_DOT=fp32_dot(x.dtype),
         **{**config, "SPLITS": splits}, **launch,
         **prefetch_options(launch, config["BLOCK_N"], k_per_split, weight.element_size()),
     )
@@ -197,23 +180,22 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @torch.library.triton_op("optiq::linear", mutates_args={"arrivals"})
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, arrivals: torch.Tensor, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None, groups: int = 1, norm_eps: float | None = None) -> torch.Tensor:
-    return launch_linear(x, weight, bias, arrivals, residual, groups, norm_eps)
+               residual: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
+    return launch_linear(x, weight, bias, arrivals, residual, groups)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None, norm_eps: float | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) (+ residual [..., N]) -> [..., N] in x's dtype: nn.Linear's
     function, and the residual add after it, accumulated in fp32 and rounded once; more than DECODE_ROWS rows go to
-    cuBLAS. With ``norm_eps``, of x RMS-normalised first (1 / sqrt(mean(x^2) + norm_eps)), the norm's weight being
-    already folded into weight's columns by the caller."""
+    cuBLAS."""
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} is not [N, {x.shape[-1]}]")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias {tuple(bias.shape)} is not [{weight.shape[0]}]")
     if residual is not None and residual.shape != (*x.shape[:-1], weight.shape[0]):
         raise ValueError(f"residual {tuple(residual.shape)} is not {(*x.shape[:-1], weight.shape[0])}")
-    return torch.ops.optiq.linear(x, weight, arrival_counters(x.device), bias, residual, 1, norm_eps)
+    return torch.ops.optiq.linear(x, weight, arrival_counters(x.device), bias, residual)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:

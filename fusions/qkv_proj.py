@@ -22,23 +22,20 @@ def concat_qkv_weights(w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor) 
 
 
 @torch.library.triton_op("optiq::qkv_proj", mutates_args={"arrivals"})
-def _qkv_proj_op(x: torch.Tensor, w_qkv: torch.Tensor, arrivals: torch.Tensor, bias: torch.Tensor | None = None,
-                 norm_eps: float | None = None) -> torch.Tensor:
-    return launch_linear(x, w_qkv, bias, arrivals, norm_eps=norm_eps)
+def _qkv_proj_op(x: torch.Tensor, w_qkv: torch.Tensor, arrivals: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    return launch_linear(x, w_qkv, bias, arrivals)
 
 
-def qkv_proj(x: torch.Tensor, w_qkv: torch.Tensor, split_sizes: Sequence[int], bias: torch.Tensor | None = None,
-             norm_eps: float | None = None) -> tuple[torch.Tensor, ...]:
-    """x [..., H] -> (q [..., Dq], k [..., Dk], v [..., Dv]), views of one [..., Dq + Dk + Dv] output; of x
-    RMS-normalised first with ``norm_eps`` (the decoder layer's input norm, its weight folded into w_qkv's columns:
-    optiq.fusions.linear).
+def qkv_proj(x: torch.Tensor, w_qkv: torch.Tensor, split_sizes: Sequence[int],
+             bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """x [..., H] -> (q [..., Dq], k [..., Dk], v [..., Dv]), views of one [..., Dq + Dk + Dv] output.
 
     split_sizes (Dq, Dk, Dv) says where to cut: the concatenated weight alone cannot tell.
     """
     if sum(split_sizes) != w_qkv.shape[0]:
         raise ValueError(f"split sizes {tuple(split_sizes)} do not add up to the {w_qkv.shape[0]} rows of w_qkv")
-    return torch.ops.optiq.qkv_proj(x, w_qkv, arrival_counters(x.device), bias, norm_eps).split(list(split_sizes),
-                                                                                             dim=-1)
+    return torch.ops.optiq.qkv_proj(x, w_qkv, arrival_counters(x.device), bias).split(list(split_sizes), dim=-1)
 
 
 def qkv_proj_reference(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,

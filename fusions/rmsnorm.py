@@ -20,21 +20,14 @@ LARGEST_HIDDEN = 65536  # a row must fit in one program's registers
 
 
 @triton.jit
-def _normalised(x, weight_ptr, cols, mask, hidden, eps, OFFSET: tl.constexpr, dtype: tl.constexpr,
-                UNIT_WEIGHT: tl.constexpr = False):
-    """One row RMS-normalised in fp32 and scaled by its weight (by none with UNIT_WEIGHT: a norm whose weight is
-    folded into the GEMM after it), rounded to ``dtype`` where HF rounds."""
+def _normalised(x, weight_ptr, cols, mask, hidden, eps, OFFSET: tl.constexpr, dtype: tl.constexpr):
+    """One row RMS-normalised in fp32 and scaled by its weight, rounded to ``dtype`` where HF rounds."""
     x = x.to(tl.float32)
     normed = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    if UNIT_WEIGHT:
-        result = normed.to(dtype)
-    else:
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if OFFSET:
-            result = (normed * (1.0 + weight)).to(dtype)
-        else:
-            result = (normed.to(dtype).to(tl.float32) * weight).to(dtype)
-    return result
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        return (normed * (1.0 + weight)).to(dtype)
+    return (normed.to(dtype).to(tl.float32) * weight).to(dtype)
 
 
 @triton.jit
@@ -55,7 +48,6 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     NORM_SUM: tl.constexpr,
     OFFSET: tl.constexpr,
-    UNIT_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -74,7 +66,7 @@ def _rmsnorm_kernel(
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(new_residual_ptr.dtype.element_ty)
         tl.store(new_residual_ptr + row * new_residual_row_stride + cols, x, mask=mask)
     if NORM_SUM:
-        y = _normalised(x, weight_ptr, cols, mask, hidden, eps, OFFSET, out_ptr.dtype.element_ty, UNIT_WEIGHT)
+        y = _normalised(x, weight_ptr, cols, mask, hidden, eps, OFFSET, out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * out_row_stride + cols, y, mask=mask)
 
 
@@ -84,10 +76,10 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def launch_rmsnorm(x, residual, weight, eps, offset, out, new_residual, branch_weight=None, unit_weight=False):
+def launch_rmsnorm(x, residual, weight, eps, offset, out, new_residual, branch_weight=None):
     """Launch the row kernel; residual/new_residual are None for plain RMSNorm, branch_weight is the norm x takes
-    before the residual add (None: none), weight None (and out None) leaves the sum unnormalised, unless
-    ``unit_weight`` asks for it normalised with no weight at all. Called from inside a triton_op."""
+    before the residual add (None: none), weight None (and out None) leaves the sum unnormalised. Called from inside
+    a triton_op."""
     hidden = x.shape[-1]
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
@@ -121,9 +113,8 @@ def launch_rmsnorm(x, residual, weight, eps, offset, out, new_residual, branch_w
         eps,
         BRANCH_NORM=branch_weight is not None,
         HAS_RESIDUAL=residual is not None,
-        NORM_SUM=weight is not None or unit_weight,
+        NORM_SUM=weight is not None,
         OFFSET=offset,
-        UNIT_WEIGHT=unit_weight,
         BLOCK=block,
         num_warps=num_warps, enable_fp_fusion=False, **launch_options(x),
     )

@@ -13,7 +13,6 @@ from optiq.fusions.gate_up_swiglu import (
     gate_up_swiglu_reference,
     interleave_gate_up,
 )
-from optiq.fusions.rmsnorm import rmsnorm_reference
 from kernel_testing import CUDA, OPCHECKS, assert_graph_replay_and_compile, needs_cuda
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -55,29 +54,6 @@ def test_shapes_cpu(leading, hidden, intermediate):
 def test_half_dtypes_cpu(dtype):
     check(seed=5 if dtype == torch.bfloat16 else 6, leading=(5,), hidden=64, intermediate=48, dtype=dtype,
           device="cpu")
-
-
-def check_folded_norm(seed, rows, hidden, intermediate, dtype, device):
-    """RMSNorm(x) through the MLP's gate and up, the norm's weight (never ones) folded into both: against the
-    float64 norm, then the two GEMMs and SwiGLU; and not what x unnormalised would give."""
-    x, w_gate, w_up = make_inputs(seed, (rows,), hidden, intermediate, dtype, device)
-    x = x * 5
-    norm_weight = (0.5 + torch.rand(hidden, generator=torch.Generator().manual_seed(seed))).to(device, dtype)
-    folded = interleave_gate_up(*((w.float() * norm_weight.float()).to(dtype) for w in (w_gate, w_up)))
-    out = gate_up_swiglu(x, folded, norm_eps=1e-6)
-    expected = gate_up_swiglu_reference(rmsnorm_reference(x.double(), norm_weight.double(), 1e-6),
-                                        w_gate.double(), w_up.double())
-    tol = TOLERANCES[dtype]
-    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
-    assert not torch.allclose(out.double(), gate_up_swiglu_reference(x.double(), w_gate.double(), w_up.double()),
-                              atol=0.5)
-
-
-@pytest.mark.usefixtures("poisoned_empty")
-@pytest.mark.parametrize("rows, dtype", [(1, torch.float32), (3, torch.bfloat16), (18, torch.float32),
-                                         (70, torch.float32)])
-def test_a_folded_norm_cpu(rows, dtype):
-    check_folded_norm(seed=rows, rows=rows, hidden=80, intermediate=40, dtype=dtype, device="cpu")
 
 
 @pytest.mark.usefixtures("poisoned_empty")
@@ -137,14 +113,6 @@ PRESETS = {"qwen3-0.6b": (1024, 3072), "llama-3.2-1b": (2048, 8192), "llama-3.1-
 def test_presets_cuda(preset, rows, dtype):
     hidden, intermediate = PRESETS[preset]
     check(seed=rows + hidden, leading=(rows,), hidden=hidden, intermediate=intermediate, dtype=dtype, device="cuda")
-
-
-@needs_cuda
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("rows", [1, 16, 64, 256])
-def test_folded_norm_at_preset_shapes_cuda(preset, rows):
-    check_folded_norm(seed=rows, rows=rows, hidden=PRESETS[preset][0], intermediate=PRESETS[preset][1],
-                      dtype=torch.bfloat16, device="cuda")
 
 
 @needs_cuda

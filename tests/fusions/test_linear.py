@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from optiq.fusions import linear as linear_module
 from optiq.fusions.linear import (DECODE_ROWS, GROUPED_PROJECTIONS, MAX_BLOCK_M, PROJECTIONS, arrival_counters,
                                  benchmark_case, grouped_linear, grouped_linear_reference, linear)
-from optiq.fusions.rmsnorm import rmsnorm_reference
 from kernel_testing import OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -52,38 +51,6 @@ def test_residual_is_added_before_the_one_rounding(request, rows, dtype):
     assert not torch.allclose(got.double(), want - residual.double(), atol=0.5)  # the residual is really in it
     with pytest.raises(ValueError):
         linear(x, weight, residual=residual[:, :-1])
-
-
-def folded_norm_case(seed, rows, k, n, dtype, device):
-    """x at a residual stream's scale, a norm weight of its own (never ones) and W with it folded into its columns,
-    as the decoder layer folds it; the float64 norm-then-product it must equal."""
-    x, weight, bias = make_inputs(seed, (rows,), k, n, dtype, device, bias=True)
-    x = x * 7
-    norm_weight = (0.5 + torch.rand(k, generator=torch.Generator().manual_seed(seed))).to(device, dtype)
-    folded = (weight.float() * norm_weight.float()).to(dtype)
-    eps = 1e-5
-    want = F.linear(rmsnorm_reference(x.double(), norm_weight.double(), eps), weight.double(), bias.double())
-    return x, folded, bias, eps, want
-
-
-@pytest.mark.parametrize("rows", [1, 5, DECODE_ROWS + 5])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_folded_norm_is_the_norm_then_the_product(request, rows, dtype):
-    """x RMS-normalised inside the GEMM (its sums of squares beside the dot, 1 / rms in the epilogue) over a weight
-    with the norm's folded in, bias and residual added: as close to the float64 norm-then-product as the plain
-    product is to its own; past DECODE_ROWS through rmsnorm's row kernel, then cuBLAS (addmm: the bias is left out
-    there, where it would add a second rounding, as HF's add after F.linear does)."""
-    x, folded, bias, eps, want = folded_norm_case(seed_of(request), rows, 96, 40, dtype, SMALL_DEVICE)
-    if rows > DECODE_ROWS:
-        want, bias = want - bias.double(), None
-    residual = torch.randn(rows, 40, generator=torch.Generator().manual_seed(rows)).to(SMALL_DEVICE, dtype)
-    got = linear(x, folded, bias, residual=residual, norm_eps=eps)
-    tolerance = TOLERANCES[dtype]
-    torch.testing.assert_close(got.double(), want + residual.double(), rtol=tolerance, atol=tolerance)
-    unnormalised = F.linear(x.double(), folded.double(), None if bias is None else bias.double()) + residual.double()
-    assert not torch.allclose(got.double(), unnormalised, atol=0.5)  # the norm is really in it
-    with pytest.raises(ValueError):  # a grouped projection takes no norm
-        torch.ops.optiq.linear(x.view(rows, 2, 48), folded[:, :48], arrival_counters(x.device), None, None, 2, eps)
 
 
 def test_bf16(request):
@@ -228,17 +195,6 @@ def test_custom_op_registration(request):
 def test_preset_projections_cuda(projection, rows):
     k, n = PROJECTIONS[projection]
     check(*make_inputs(rows + k + n, (rows,), k, n, torch.bfloat16, "cuda", bias=False))
-
-
-@needs_cuda
-@pytest.mark.parametrize("projection", [name for name in PROJECTIONS if name.endswith("qkv")])
-@pytest.mark.parametrize("rows", [1, 16, 64])
-def test_folded_norm_at_preset_shapes_cuda(projection, rows):
-    k, n = PROJECTIONS[projection]
-    x, folded, bias, eps, want = folded_norm_case(rows + k + n, rows, k, n, torch.bfloat16, "cuda")
-    torch.testing.assert_close(linear(x, folded, bias, norm_eps=eps).double(), want, rtol=1e-2, atol=1e-2)
-    assert_graph_replay_and_compile(lambda: linear(x, folded, bias, norm_eps=eps),
-                                    lambda: x.copy_(torch.randn_like(x) * 7))
 
 
 @needs_cuda

@@ -18,44 +18,8 @@ reported as not applicable with that message.
 
 A ``module_forward`` replacement may also take ``residual=`` and return ``residual + output``, adding it inside its
 last kernel (the decoder layer's add after the MLP then costs no launch of its own); it says so with a
-``takes_residual`` attribute, and callers go through ``plus_residual``. An attention or MLP replacement may take
-``norm=`` too (a ``FoldedNorm``: the RMSNorm its input has not been through yet), folding the norm into its first
-GEMM, and says so with ``takes_norm``; it then takes ``residual=`` as well.
+``takes_residual`` attribute, and callers go through ``plus_residual``.
 """
-
-from __future__ import annotations
-
-from dataclasses import dataclass, field
-
-import torch
-
-
-@dataclass(frozen=True)
-class FoldedNorm:
-    """An RMSNorm a decoder layer hands, unrun, to the module after it: that module's first GEMM normalises its rows
-    itself, with the norm's weight folded into the GEMM's weight columns (``folded_into``), so the norm's kernel and
-    the round trip of the normalised rows through memory are gone. ``module`` serves a path that runs the norm as
-    it is (a call the fused path does not take)."""
-    module: torch.nn.Module
-    eps: float
-    offset: bool  # scales by 1 + w (Gemma's), not w
-    _folds: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def folded_into(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight [N, H] with column j scaled by the norm's w_j (1 + w_j), in fp32 and rounded once: made at the
-        first call for this weight and again whenever the norm's weight has changed since (a reload, the gate's
-        redraw of a constant weight), never on a call that finds it current."""
-        scale = self.module.weight
-        key = (weight.data_ptr(), scale.data_ptr(), scale._version)
-        folded = self._folds.get(weight.data_ptr())
-        if folded is None or folded[0] != key:
-            factor = scale.detach().float() + 1.0 if self.offset else scale.detach().float()
-            folded = (key, (weight.float() * factor).to(weight.dtype))
-            self._folds[weight.data_ptr()] = folded
-        return folded[1]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
 
 
 def plus_residual(module, x, residual=None):

@@ -10,7 +10,6 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from optiq.patching.replacements import FoldedNorm, plus_residual
 from optiq.patching.structure import qkv_attention, rms_norm, rotary_layout
 
 
@@ -36,9 +35,9 @@ MODULE_ATTENTION_ARGUMENTS = (("sliding_window", "sliding_window"), ("softcap", 
                               ("s_aux", "sinks"))
 
 
-def _attend(attn: torch.nn.Module, q, k, v, attention_mask, input_shape, kwargs: dict, residual=None):
+def _attend(attn: torch.nn.Module, q, k, v, attention_mask, input_shape, kwargs: dict):
     """HF's attention function for the module's implementation (looked up at call time, so an attention interface
-    patched underneath applies), then o_proj (and the residual add after it, in o_proj's GEMM where it takes it)."""
+    patched underneath applies), then o_proj."""
     implementation = attn.config._attn_implementation
     attention = (sys.modules[type(attn).__module__].eager_attention_forward if implementation == "eager"
                  else AttentionInterface._global_mapping[implementation])
@@ -47,22 +46,7 @@ def _attend(attn: torch.nn.Module, q, k, v, attention_mask, input_shape, kwargs:
     extra = {kwarg: getattr(attn, attribute) for kwarg, attribute in MODULE_ATTENTION_ARGUMENTS
              if hasattr(attn, attribute)}
     out, weights = attention(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **extra, **kwargs)
-    return plus_residual(attn.o_proj, out.reshape(*input_shape, -1).contiguous(), residual), weights
-
-
-def _own_forward(own_forward, hidden_states: torch.Tensor, norm: FoldedNorm | None, residual: torch.Tensor | None,
-                 **kwargs):
-    """The module's own forward, for the calls the fused path does not take, with the norm it was handed run first
-    and the residual it was handed added after, as the decoder layer would have."""
-    out, weights = own_forward(hidden_states if norm is None else norm(hidden_states), **kwargs)
-    return (out if residual is None else residual + out), weights
-
-
-def _projection(weight: torch.Tensor, norm: FoldedNorm | None) -> tuple[torch.Tensor, dict]:
-    """The Q/K/V weight and the fusion's keywords for an input normalised inside the GEMM (``norm``) or not."""
-    if norm is None:
-        return weight, {}
-    return norm.folded_into(weight), {"norm_eps": norm.eps}
+    return attn.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
 def _pop_cache(kwargs: dict):
@@ -93,16 +77,14 @@ def qkv_proj_forward(attn: torch.nn.Module, fusion):
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     own_forward = type(attn).forward.__get__(attn)
 
-    def forward(hidden_states: torch.Tensor, position_embeddings, attention_mask=None, norm: FoldedNorm | None = None,
-                residual: torch.Tensor | None = None, **kwargs):
+    def forward(hidden_states: torch.Tensor, position_embeddings, attention_mask=None, **kwargs):
         if _rotation(attn, modeling, hidden_states, position_embeddings) is None:
-            return _own_forward(own_forward, hidden_states, norm, residual, position_embeddings=position_embeddings,
-                                attention_mask=attention_mask, **kwargs)
+            return own_forward(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                               **kwargs)
         cache = _pop_cache(kwargs)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)
-        projection, folded = _projection(weight, norm)
-        q, k, v = (t.view(hidden_shape) for t in fusion(hidden_states, projection, sizes, bias, **folded))
+        q, k, v = (t.view(hidden_shape) for t in fusion(hidden_states, weight, sizes, bias))
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -110,9 +92,8 @@ def qkv_proj_forward(attn: torch.nn.Module, fusion):
         q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, attn.layer_idx)
-        return _attend(attn, q, k, v, attention_mask, input_shape, kwargs, residual)
+        return _attend(attn, q, k, v, attention_mask, input_shape, kwargs)
 
-    forward.takes_norm = True
     return forward
 
 
@@ -147,15 +128,14 @@ def attention_prologue_forward(attn: torch.nn.Module, fusion):
     own_forward = type(attn).forward.__get__(attn)
     modeling = sys.modules[type(attn).__module__]
 
-    def forward(hidden_states: torch.Tensor, position_embeddings, attention_mask=None, norm: FoldedNorm | None = None,
-                residual: torch.Tensor | None = None, **kwargs):
+    def forward(hidden_states: torch.Tensor, position_embeddings, attention_mask=None, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         layers = _static_layers(cache) if cache is not None else []
         layer = cache.layers[attn.layer_idx] if cache is not None else None
         layout = _rotation(attn, modeling, hidden_states, position_embeddings)
         if not any(mine is layer for mine in layers) or layout is None or layout.rotated != attn.head_dim:
-            out = _own_forward(own_forward, hidden_states, norm, residual, position_embeddings=position_embeddings,
-                               attention_mask=attention_mask, **kwargs)
+            out = own_forward(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                              **kwargs)
             if layers and layer is layers[-1]:
                 _advance(cache, hidden_states.shape[1])
             return out
@@ -163,15 +143,13 @@ def attention_prologue_forward(attn: torch.nn.Module, fusion):
         norms = (q_norm.weight, k_norm.weight, getattr(q_norm, eps), site.norm_offset) if site.qk_norm else ()
         _pop_cache(kwargs)
         batch, length = hidden_states.shape[:2]
-        projection, folded = _projection(weight, norm)
-        q = fusion(hidden_states, projection, sizes, bias, attn.head_dim, cos, sin, layer.keys, layer.values,
-                   layer.cumulative_length.expand(batch), *norms, **layout.switches(), **folded)
+        q = fusion(hidden_states, weight, sizes, bias, attn.head_dim, cos, sin, layer.keys, layer.values,
+                   layer.cumulative_length.expand(batch), *norms, **layout.switches())
         _WRITTEN.setdefault(cache, []).append(layer.cumulative_length)
         if layer is layers[-1]:
             _advance(cache, length)
-        return _attend(attn, q, layer.keys, layer.values, attention_mask, hidden_states.shape[:-1], kwargs, residual)
+        return _attend(attn, q, layer.keys, layer.values, attention_mask, hidden_states.shape[:-1], kwargs)
 
-    forward.takes_norm = True
     return forward
 
 

@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from optiq.patching.replacements import FoldedNorm, plus_residual
-from optiq.patching.structure import pre_norm_decoder_layer, rms_norm, sandwich_norm_decoder_layer
-
-
-def _folds(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s forward (as patched now) takes the norm before it, unrun (replacements.FoldedNorm)."""
-    return getattr(module.forward, "takes_norm", False)
+from optiq.patching.replacements import plus_residual
+from optiq.patching.structure import pre_norm_decoder_layer, sandwich_norm_decoder_layer
 
 
 def add_rmsnorm_forward(layer: torch.nn.Module, fusion):
     """HF's llama-family decoder layer with ``residual + attn`` and ``post_attention_layernorm`` fused, and the residual
     add after the MLP handed to the MLP when its forward takes it (gate_up_swiglu, with decode_linear's down_proj);
     Granite's ``residual_multiplier`` scales each branch first, as its layer does.
-
-    Where the attention and the MLP both take their norms unrun (attention_prologue or qkv_proj, and
-    gate_up_swiglu, as patched at call time), each norm is folded into the GEMM after it and each residual add
-    into the GEMM before it (o_proj's, down_proj's): the layer's two norm kernels are gone, and so is the fusion's
-    own. ``OPTIQ_FOLD_NORMS=0`` keeps the norms as kernels, to measure what folding buys.
 
     Keyword arguments pass through to the attention untouched, so ``cache=`` (5.24) and ``past_key_values=`` (5.17)
     both reach it."""
@@ -32,17 +20,8 @@ def add_rmsnorm_forward(layer: torch.nn.Module, fusion):
         raise ValueError(f"{type(layer).__name__} is not a pre-norm decoder layer with RMSNorms")
     norm = layer.post_attention_layernorm
     multiplier = getattr(layer, "residual_multiplier", 1.0)  # Granite scales both branches before their adds
-    input_site = rms_norm(layer.input_layernorm)
-    unrun = (FoldedNorm(layer.input_layernorm, getattr(layer.input_layernorm, input_site.eps_attribute),
-                        input_site.offset),
-             FoldedNorm(norm, getattr(norm, site.eps_attribute), site.offset))
 
     def forward(hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-        if (multiplier == 1.0 and _folds(layer.self_attn) and _folds(layer.mlp)
-                and os.environ.get("OPTIQ_FOLD_NORMS", "1") != "0"):
-            hidden_states, _ = layer.self_attn(hidden_states=hidden_states, norm=unrun[0], residual=hidden_states,
-                                               **kwargs)
-            return layer.mlp(hidden_states, norm=unrun[1], residual=hidden_states)
         attn_out, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)
         if multiplier != 1.0:
             attn_out = attn_out * multiplier

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from optiq.patching.replacements import FoldedNorm, plus_residual
+from optiq.patching.replacements import plus_residual
 from optiq.patching.structure import GatedMlpSite, gated_mlp
 
 
@@ -34,8 +34,7 @@ def swiglu_forward(mlp: torch.nn.Module, fusion):
 
 
 def gate_up_swiglu_forward(mlp: torch.nn.Module, fusion):
-    """The fused gate/up GEMM with SwiGLU in its epilogue, then down_proj; handed the layer's norm (``norm=``), the
-    GEMM normalises x itself, over weights with the norm's folded in.
+    """The fused gate/up GEMM with SwiGLU in its epilogue, then down_proj.
 
     The fusion's weight layout is row-interleaved: row 2j is gate row j, row 2j + 1 is up row j (built here, once)."""
     site = _site(mlp)
@@ -45,11 +44,8 @@ def gate_up_swiglu_forward(mlp: torch.nn.Module, fusion):
     weight = torch.stack((gate, up), dim=1).reshape(2 * gate.shape[0], gate.shape[1]).detach().contiguous()
     down = getattr(mlp, site.down)
 
-    def forward(x: torch.Tensor, residual: torch.Tensor | None = None, norm: FoldedNorm | None = None) -> torch.Tensor:
-        if norm is None:
-            return plus_residual(down, fusion(x, weight, activation=site.activation), residual)
-        hidden = fusion(x, norm.folded_into(weight), activation=site.activation, norm_eps=norm.eps)
-        return plus_residual(down, hidden, residual)
+    def forward(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return plus_residual(down, fusion(x, weight, activation=site.activation), residual)
 
-    forward.takes_residual = forward.takes_norm = True
+    forward.takes_residual = True
     return forward
