@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from optiq.fusions.launch import (launch_options, multiprocessor_count, next_prefetch_options, prefetch_options,
-                                 prefetch_rows, prefetch_share, wait_for_predecessor)
+from optiq.fusions.launch import (launch_options, multiprocessor_count, prefetch_options, prefetch_rows,
+                                 wait_for_predecessor)
 
 LOG2E = 1.4426950408889634
 
@@ -90,7 +90,7 @@ def split_result(running_max, running_sum, acc):
 @triton.jit
 def _decode_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, starts_ptr, visible_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr,
-    next_ptr, next_numel, scale_log2e, softcap_log2e,
+    scale_log2e, softcap_log2e,
     q_stride_b, q_stride_h,
     k_stride_b, k_stride_h, k_stride_n,
     v_stride_b, v_stride_h, v_stride_n, visible_stride_b,
@@ -98,8 +98,7 @@ def _decode_attention_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_VISIBLE: tl.constexpr, SHARED_KV: tl.constexpr, HAS_SINKS: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PREFETCH_NEXT: tl.constexpr,
-    NEXT_LINE: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     """One (sequence, kv head, block of its query heads, split): online softmax over the split's valid positions.
 
@@ -110,8 +109,7 @@ def _decode_attention_split_kernel(
 
     Before waiting for its predecessor (which writes the step's new position, and perhaps the lengths), a program
     asks L2 for its first tile of cached keys and values, as far as the lengths it reads then say: a prefetch only,
-    so a stale length costs a wasted line, never a wrong value. With PREFETCH_NEXT it also asks for its share of
-    the next kernel's weight (``next_ptr``), which HBM streams while attention reads its few bytes.
+    so a stale length costs a wasted line, never a wrong value.
     """
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -126,8 +124,6 @@ def _decode_attention_split_kernel(
         prefetch_rows(k_base, early_start + offs_n, early_end, head_dim, k_stride_n, 1, PREFETCH_LINES, LINE)
         if not SHARED_KV:
             prefetch_rows(v_base, early_start + offs_n, early_end, head_dim, v_stride_n, 1, PREFETCH_LINES, LINE)
-    if PREFETCH_NEXT:
-        prefetch_share(next_ptr, next_numel, NEXT_LINE, 128)
     wait_for_predecessor(USE_PDL)
 
     start, end = split_bounds(lengths_ptr, starts_ptr, batch, split, split_len, HAS_STARTS)
@@ -261,7 +257,7 @@ def split_layout(max_len: int, block_n: int, splits: int) -> tuple[int, int]:
 def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, lengths: torch.Tensor,
                          scale: float, num_splits: int | None = None, starts: torch.Tensor | None = None,
                          softcap: float = 0.0, sinks: torch.Tensor | None = None,
-                         visible: torch.Tensor | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                         visible: torch.Tensor | None = None) -> torch.Tensor:
     batch, num_q_heads, q_len, head_dim = q.shape
     _, num_kv_heads, max_len, _ = k_cache.shape
     shared_kv = v_cache is None  # keys that are their own values, loaded once
@@ -289,11 +285,9 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     launch = launch_options(q)
-    ahead = next_prefetch_options(launch, prefetch)
     torch.library.wrap_triton(_decode_attention_split_kernel)[(batch * num_kv_heads * head_blocks, splits)](
         q, k_cache, v_cache, lengths, lengths if starts is None else starts, lengths if visible is None else visible,
         lengths if sinks is None else sinks, partial_out, partial_lse,
-        prefetch if ahead["PREFETCH_NEXT"] else q, prefetch.numel() if ahead["PREFETCH_NEXT"] else 0,
         scale * LOG2E, softcap * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -304,7 +298,7 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         HAS_STARTS=starts is not None, SOFTCAP=softcap > 0, HAS_VISIBLE=visible is not None, SHARED_KV=shared_kv,
         HAS_SINKS=sinks is not None, ONE_SPLIT=one_split,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **launch,
-        **prefetch_options(launch, block_n, head_dim, k_cache.element_size()), **ahead,
+        **prefetch_options(launch, block_n, head_dim, k_cache.element_size()),
     )
     if one_split:
         return out
@@ -319,17 +313,16 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                      scale: float, num_splits: int | None = None, starts: torch.Tensor | None = None,
                      softcap: float = 0.0, sinks: torch.Tensor | None = None,
-                     visible: torch.Tensor | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                     visible: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v over cache positions [starts[b], lengths[b]) of each sequence that `visible[b]`
     lets in (all of them without it); returns [B, 1, Hq, D].
 
     softcap > 0 caps the scores, sinks add a per-head logit to each softmax's denominator. num_splits overrides
     the shape-based choice of KV splits (for tests and tuning). Values that are the keys' tensor (DeepSeek-V4) are
-    read once. ``prefetch``: the weight the kernel after this one streams (the output projection's), asked of L2
-    while attention runs (launch.next_prefetch_options); a hint that changes no value.
+    read once.
     """
     return torch.ops.optiq.decode_attention(q, k_cache, None if v_cache is k_cache else v_cache, lengths, scale,
-                                            num_splits, starts, softcap, sinks, visible, prefetch)
+                                            num_splits, starts, softcap, sinks, visible)
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

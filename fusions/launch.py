@@ -17,10 +17,6 @@ kernels instead of idling through the next kernel's first loads (a GEMM a few mi
 them on that ramp). A prefetch is a hint that loads nothing into registers: L2 is where every SM's writes land, so
 asking it for a line the predecessor is still writing is safe, only wasted.
 
-A kernel that reads little while HBM idles (decode attention at one sequence reads a layer's ~1 MB of KV in a few
-microseconds) may also ask L2 for the weight its successor will stream (``prefetch_share``: the attention output
-projection's), spread over its programs, so the successor finds it there instead of ramping up on HBM.
-
 Off under the Triton interpreter (it has no such instructions), under torch.compile (its tracing tensors are not
 plain ones; it launches kernels its own way and cannot analyse the wait's inline assembly), before Hopper, and with
 ``OPTIQ_PDL=0`` in the environment (to measure what it buys).
@@ -44,14 +40,6 @@ def multiprocessor_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
-
-
-@functools.lru_cache(maxsize=None)
-def l2_bytes(device: torch.device) -> int:
-    """The device's L2 cache; elsewhere the H200's 50 MiB."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).L2_cache_size
-    return 50 * 2**20
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,33 +75,6 @@ def prefetch_options(launch: dict, rows: int, k: int, itemsize: int) -> dict:
     budget = int(os.environ.get("OPTIQ_PREFETCH_KB", PREFETCH_KB)) * 1024 // (PREFETCH_LINE_BYTES * rows)
     lines = min(triton.next_power_of_2(budget + 1) // 2, triton.next_power_of_2(triton.cdiv(k, line)))
     return {"PREFETCH_LINES": lines if launch["USE_PDL"] else 0, "LINE": line}
-
-
-def next_prefetch_options(launch: dict, successor_weight: torch.Tensor | None) -> dict:
-    """``PREFETCH_NEXT`` and ``NEXT_LINE`` for a kernel that may ask L2 for the weight its successor streams: under
-    PDL (as prefetch_options), for a contiguous weight of at most half the L2 (more would evict itself before its
-    reader comes); ``OPTIQ_PREFETCH_NEXT=0`` turns it off, to measure it."""
-    on = (successor_weight is not None and launch["USE_PDL"] and successor_weight.is_contiguous()
-          and successor_weight.nbytes <= l2_bytes(successor_weight.device) // 2
-          and os.environ.get("OPTIQ_PREFETCH_NEXT", "1") != "0")
-    return {"PREFETCH_NEXT": on, "NEXT_LINE": PREFETCH_LINE_BYTES // successor_weight.element_size() if on else 1}
-
-
-@triton.jit
-def prefetch_share(ptr, numel, LINE: tl.constexpr, BATCH: tl.constexpr):
-    """Ask L2 for this program's share of a tensor of ``numel`` elements (LINE a cache line): the programs of the
-    launch (over its first two grid axes), in order, take equal runs of its lines, BATCH lines an instruction
-    each, no registers held, no wait."""
-    program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    lines = tl.cdiv(numel, LINE)
-    share = tl.cdiv(lines, tl.num_programs(0) * tl.num_programs(1))
-    first = program * share
-    last = tl.minimum(first + share, lines)
-    for start in range(first, last, BATCH):
-        offs = start + tl.arange(0, BATCH)
-        ptrs = tl.where(offs < last, ptr + offs.to(tl.int64) * LINE, ptr)
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -6,7 +6,7 @@ PDL wait's inline assembly), which only the device tests would show, when a GPU 
 described (its tensors' dtypes and alignment, its scalars, its constexprs) and a worker process without the
 interpreter compiles it with Triton's real compiler for an sm_90 target, through ptxas to a cubin: once as the test
 launched it, and once as a GPU launches it (``gpu_variant``: with programmatic dependent launch and its weight
-prefetches, and the tensor-core dots the interpreter cannot run). Shapes are what the CPU tests use; the kernels at
+prefetch, and the tensor-core dots the interpreter cannot run). Shapes are what the CPU tests use; the kernels at
 the presets' shapes are the device tests' part.
 
 The worker is this file run as a script: it reads one launch a line (JSON) and answers one line, ``{"error": ...}``.
@@ -34,11 +34,10 @@ def describe(value):
 
 def gpu_variant(args: list, kwargs: dict) -> dict:
     """The constexprs a GPU launch sets where the interpreter's differ: PDL on (with a few prefetched weight lines
-    where the kernel prefetches, and the next kernel's weight where it asks L2 for that), dots on tensor cores in the operands' own precision (fp32 IEEE dots only for fp32
+    where the kernel prefetches), dots on tensor cores in the operands' own precision (fp32 IEEE dots only for fp32
     operands), no upcast of a dot's operands."""
     half = any(isinstance(a, dict) and a["dtype"] in HALF_DTYPES for a in args)
-    switches = {"USE_PDL": True, "PREFETCH_LINES": 4, "PREFETCH_NEXT": True, "NEXT_LINE": 64, "UPCAST_DOT": False,
-                "FP32_DOT": not half}
+    switches = {"USE_PDL": True, "PREFETCH_LINES": 4, "UPCAST_DOT": False, "FP32_DOT": not half}
     return {**kwargs, **{name: value for name, value in switches.items() if name in kwargs}}
 
 

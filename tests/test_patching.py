@@ -89,32 +89,6 @@ def test_the_residual_add_after_the_mlp_goes_into_down_projs_kernel(monkeypatch,
     unpatch(model)
 
 
-def test_decode_attention_is_handed_the_output_projection_to_prefetch(monkeypatch):
-    """A decode attention kernel whose signature takes ``prefetch`` gets each layer's o_proj weight (the one o_proj
-    streams next), at every decode call; the logits stay the unpatched ones."""
-    import optiq.fusions.decode_attention as kernel_module
-    from optiq.models import load_model
-
-    model = load_model("tiny-llama", torch.float32, torch.device("cpu"))
-    reference = decode(model)
-    handed = []
-    real = kernel_module.decode_attention
-
-    def spy(q, k_cache, v_cache, lengths, scale, num_splits=None, starts=None, softcap=0.0, sinks=None,
-            visible=None, prefetch=None):
-        handed.append(prefetch)
-        return real(q, k_cache, v_cache, lengths, scale, num_splits, starts, softcap, sinks, visible, prefetch)
-
-    monkeypatch.setattr(kernel_module, "decode_attention", spy)
-    apply(model, [load_catalog()["decode_attention"]])
-    patched = decode(model)
-    unpatch(model)
-    o_projs = [layer.self_attn.o_proj.weight for layer in model.model.layers]
-    assert len(handed) == 3 * len(o_projs)  # three steps, every layer
-    assert all(weight is o_projs[i % len(o_projs)] for i, weight in enumerate(handed))
-    torch.testing.assert_close(patched, reference, rtol=1e-5, atol=1e-5)
-
-
 def test_swiglu_and_the_engine_s_sampler(tmp_path):
     """greedy_sample patches the engine's sampler function (optiq.engine.sample_greedy), which every engine's steps
     look up; undoing it puts torch's argmax back."""

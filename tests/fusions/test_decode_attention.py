@@ -9,8 +9,7 @@ import torch
 
 from optiq.fusions.decode_attention import (ATTENTION_SHAPES, benchmark_case, decode_attention,
                                             decode_attention_reference)
-from optiq.fusions.launch import l2_bytes, next_prefetch_options
-from kernel_testing import CUDA, SMALL_DEVICE, assert_graph_replay_and_compile, assert_identical, needs_cuda
+from kernel_testing import CUDA, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 
@@ -168,21 +167,6 @@ def test_positions_before_the_window_are_ignored():
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.usefixtures("poisoned_empty")
-@pytest.mark.parametrize("batch, num_splits", [(1, None), (3, 1)])
-def test_a_successor_weight_to_prefetch_changes_no_value(batch, num_splits):
-    """The output projection's weight handed over for L2 (on a GPU, under PDL, its programs ask for their shares of
-    it; the interpreter has no prefetch) leaves every output bit as it was, split and combined or not; and a weight
-    too large for half the L2 is not asked for at all."""
-    q, k_cache, v_cache, lengths = make_inputs(70 + batch, batch, 8, 2, 32, 96, [96, 5, 41][:batch], torch.bfloat16,
-                                               SMALL_DEVICE)
-    weight = torch.randn(256, 8 * 32, dtype=torch.bfloat16, device=SMALL_DEVICE)
-    plain = decode_attention(q, k_cache, v_cache, lengths, 0.2, num_splits)
-    assert_identical(decode_attention(q, k_cache, v_cache, lengths, 0.2, num_splits, prefetch=weight), plain)
-    assert not next_prefetch_options({"USE_PDL": True}, torch.empty(l2_bytes(torch.device(SMALL_DEVICE)) // 2 + 2,
-                                                                     dtype=torch.uint8))["PREFETCH_NEXT"]
-
-
 def test_wrong_length_or_scale_fails_the_comparison():
     """The comparison can fail: one position fewer, or another scale, gives a different result."""
     q, k_cache, v_cache, lengths, out = check(seed=41, batch=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
@@ -290,23 +274,6 @@ def test_deepseek_v4_gathered_keys_cuda(batch):
         lambda: decode_attention(q, keys, keys, lengths, 512 ** -0.5, sinks=sinks, visible=visible),
         lambda: visible.copy_(random_visibility(batch + 1, batch, 288, "cuda")),
         same=lambda got, want: torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3))
-
-
-@needs_cuda
-@pytest.mark.parametrize("batch", [1, 16, 64])
-def test_prefetching_the_output_projection_cuda(batch):
-    """Llama-3.2-1B's heads at W1's context with its o_proj weight (8 MB) asked of L2: the output bit for bit what it
-    is without, eager and replayed from a CUDA graph after new lengths."""
-    q, k_cache, v_cache, lengths = make_inputs(80 + batch, batch, 32, 8, 64, 1024, [576] * batch, torch.bfloat16,
-                                               "cuda")
-    weight = torch.randn(2048, 2048, dtype=torch.bfloat16, device="cuda")
-    plain = decode_attention(q, k_cache, v_cache, lengths, 0.125)
-    assert_identical(decode_attention(q, k_cache, v_cache, lengths, 0.125, prefetch=weight), plain)
-    assert_graph_replay_and_compile(lambda: decode_attention(q, k_cache, v_cache, lengths, 0.125, prefetch=weight),
-                                    lambda: lengths.copy_(torch.full_like(lengths, 700)),
-                                    expect=lambda: decode_attention(q, k_cache, v_cache, lengths, 0.125),
-                                    same_compiled=lambda got, want: torch.testing.assert_close(got, want, rtol=1e-2,
-                                                                                                atol=1e-3))
 
 
 @needs_cuda

@@ -3,7 +3,6 @@ and a decode attention kernel behind an HF interface."""
 
 from __future__ import annotations
 
-import inspect
 import sys
 import weakref
 
@@ -242,13 +241,6 @@ def _span_mask(spans: dict, key_length: int, additive: torch.dtype | None) -> to
                                                                                          torch.finfo(additive).min)
 
 
-def _output_weight(attn: torch.nn.Module) -> torch.Tensor | None:
-    """The weight the attention's output projection streams next (its ``o_proj``'s, llama-style), for a kernel that
-    asks L2 for it while attention runs; None where there is no such plain weight."""
-    weight = getattr(getattr(attn, "o_proj", None), "weight", None)
-    return weight if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
-
-
 def decode_attention_interface(fusion, replaced):
     """(attention, mask) for one name: decode steps (one query token, attending one span of the cache) run
     ``fusion`` over each sequence's span; everything else runs ``replaced``, the (attention, mask) pair of the
@@ -259,11 +251,9 @@ def decode_attention_interface(fusion, replaced):
     compute, turns it into the mask ``replaced`` takes. The module's ``sliding_window`` argument is not read: like
     sdpa, the kernel attends what the mask lets in. The kernel gets ``starts``, ``softcap``, ``sinks`` and
     ``visible`` only where the call has them, so a kernel of the plain signature (q, k, v, lengths, scale) serves
-    every model without those variants; and, where its signature takes ``prefetch``, the output projection's
-    weight, to ask L2 for while it runs (HBM idles under a batch-1 attention)."""
+    every model without those variants."""
     replaced_attention, replaced_mask = replaced
     eager = replaced_mask is AttentionMaskInterface._global_mapping["eager"]
-    prefetches = "prefetch" in inspect.signature(fusion).parameters
 
     def mask(**kwargs):
         spans = _decode_spans(kwargs)
@@ -274,8 +264,7 @@ def decode_attention_interface(fusion, replaced):
         if spans is not None and _kernel_computes(query, key, value, kwargs):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             variants = {"starts": spans.get("starts"), "softcap": kwargs.get("softcap"),
-                        "sinks": kwargs.get("s_aux"), "visible": spans.get("visible"),
-                        "prefetch": _output_weight(module) if prefetches else None}
+                        "sinks": kwargs.get("s_aux"), "visible": spans.get("visible")}
             return fusion(query, key, value, spans["lengths"], scale,
                           **{name: given for name, given in variants.items() if given is not None}), None
         if spans is not None:
