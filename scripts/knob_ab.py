@@ -47,7 +47,7 @@ def main(model_spec: str, recipes: str, out_path: str, knob: str, concurrencies:
         for value in (values[0], values[-1]):
             os.environ[name] = value
             capture(model, batches[0], Workload().prompt_len, Workload().max_len, "graph",
-                    Path(os.environ["TRACES"]) / f"{model_spec}_{name}={value}_C{batches[0]}.json.gz")
+                    Path(os.environ["TRACES"]) / f"{model_spec}_{name}_{value}_C{batches[0]}.json.gz")
             free_memory()
 
 
