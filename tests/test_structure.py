@@ -214,16 +214,39 @@ def test_a_wrong_layout_is_rolled_back_by_the_gate(monkeypatch):
 def test_decode_attention_computes_the_zoo_variants_and_forgetting_one_is_caught(spec, variants):
     """The prompt outgrows the tiny configs' 32-position window, so forgetting the window changes the function; the
     kernel must run on these calls (not hand them back), so the mutants that forget a variant alter something.
-    Random weights give scores of a few thousandths, which Gemma 2's cap of 50 leaves straight: a cap of that size
-    bends them."""
+    Random weights give scores of a few thousandths, which Gemma 2's own cap of 50 leaves straight: the gate lifts
+    them to the cap (``softcap_scales``), or a kernel without the cap would pass."""
     model = load_model(spec, torch.float32, torch.device("cpu"))
-    for attention in (m for m in model.modules() if getattr(m, "attn_logit_softcapping", None)):
-        attention.attn_logit_softcapping = 0.003
+    assert {m.attn_logit_softcapping for m in model.modules() if hasattr(m, "attn_logit_softcapping")} <= {None, 50.0}
     results = verify(model, [load_catalog()["decode_attention"]], GatePlan((2,), steps=3, prompt_len=40))
     result = results["decode_attention"]
     assert result.real == "passed", result.real
     status = {mutant.name: mutant.status for mutant in result.mutants}
     assert all(status[name] == "killed" for name in variants), {n: status[n] for n in variants}
+
+
+def test_an_implementation_without_the_cap_runs_uncapped_and_so_does_the_kernel(monkeypatch):
+    """transformers 5.17's sdpa takes Gemma 2's softcap into its **kwargs and drops it (5.25's raises), so Gemma 2
+    under it computes uncapped scores; the kernel computes what the model ran, which the gate checks at scores lifted
+    toward the cap (it rejected a capped kernel there on an H100). The stand-in is that sdpa, registered anew."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    def sdpa_dropping_the_cap(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        kwargs.pop("softcap", None)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "capless", sdpa_dropping_the_cap)
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "capless", sdpa_mask)
+    model = load_model("tiny:gemma2", torch.float32, torch.device("cpu"))
+    model.config._attn_implementation = "capless"
+    results = verify(model, [load_catalog()["decode_attention"]], GatePlan((2,), steps=3, prompt_len=40))
+    result = results["decode_attention"]
+    assert result.real == "passed", result.real
+    status = {mutant.name: mutant.status for mutant in result.mutants}
+    assert status["softcap forgotten"] == "unchanged" and status["sliding window forgotten"] == "killed", status
 
 
 @pytest.mark.parametrize("spec, names, multiplier", [
@@ -283,6 +306,28 @@ def assert_kept(model, plan, name: str):
     assert result.real == "passed", result.real
     assert result.mutants and all(mutant.status != "survived" for mutant in result.mutants), result.mutants
     return result
+
+
+def test_a_sampler_blind_to_a_stretch_of_the_vocabulary_or_breaking_ties_late_is_rolled_back(tmp_path):
+    """On tiny:gpt_neox no captured step's largest logit fell in the first eighth of the vocabulary, so a sampler
+    blind to it passed, as one keeping the later of two tied maxima passes wherever logits are random: the gate's
+    swept rows (``per_recipe._swept``) show both. The real sampler is kept."""
+    model = load_model("tiny:gpt_neox", torch.float32, torch.device("cpu"))
+    plan = GatePlan((1, 2), steps=3, prompt_len=16, max_len=64)
+    patches = apply(model, [load_catalog()["greedy_sample"]])
+    try:
+        report = validate(patches, plan)
+    finally:
+        unpatch(model)
+    assert report.passed and not report.rolled_back, report.recipes
+    for fusion in ("sampler_blind_to_first_block", "sampler_last_of_ties"):
+        patches = apply(model, [user_recipe(tmp_path / fusion, "greedy_sample", "wrong",
+                                            fusion=f"wrong_kernels:{fusion}")])
+        try:
+            report = validate(patches, plan)
+        finally:
+            unpatch(model)
+        assert report.rolled_back == ["wrong"] and "swept" in report.recipes["wrong"].reason, (fusion, report)
 
 
 def test_hyper_connections_are_found_by_what_they_compute():
@@ -535,5 +580,6 @@ def test_group_limited_routing_is_kept_and_a_kernel_ignoring_the_groups_rolled_b
     assert report.passed and not report.rolled_back and report.recipes["moe_router"].calls > 0, report
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in report.constant_parameters
     unpatch(grouped_v3)
-    assert_rolled_back(grouped_v3, plan, tmp_path, "moe_router", ("router_ignores_groups", "router_without_bias"))
+    assert_rolled_back(grouped_v3, plan, tmp_path, "moe_router", ("router_ignores_groups", "router_without_bias",
+                                                                   "router_drops_last_block"))
 

@@ -10,6 +10,7 @@ import torch
 from optiq.decode_caches.deepseek_v4 import window_slots
 from optiq.fusions.attention_prologue import attention_prologue
 from optiq.fusions.decode_attention import decode_attention_reference
+from optiq.fusions.greedy_sample import greedy_sample_reference
 from optiq.fusions.indexer_scores import indexer_scores_reference
 from optiq.fusions.linear import grouped_linear_reference
 from optiq.fusions.mla_decode import mla_decode_reference
@@ -109,6 +110,28 @@ def router_without_bias(logits, top_k, bias=None, **routing):
     """A router that chooses on the scores alone, its selection bias forgotten: the same experts wherever the bias
     is zero (a checkpoint's initial one)."""
     return route_reference(logits, top_k, **routing)
+
+
+def router_drops_last_block(logits, top_k, **routing):
+    """A router whose loop over experts stops a block short: the last eighth of the experts are never chosen (their
+    logits read as -inf), which routing repeats every step if decode's few tokens never pick them."""
+    masked = logits.clone()
+    masked[:, -max(1, logits.shape[-1] // 8):] = float("-inf")
+    return route_reference(masked, top_k, **routing)
+
+
+def sampler_blind_to_first_block(logits, out=None):
+    """A sampler whose tiles start one tile in: the first eighth of the vocabulary is never picked, which a step's
+    random logits, their maxima in a few places, may never show."""
+    blind = logits.clone()
+    blind[..., :max(1, logits.shape[-1] // 8)] = float("-inf")
+    return greedy_sample_reference(blind)
+
+
+def sampler_last_of_ties(logits, out=None):
+    """A sampler whose combine keeps the later of two equal maxima (torch.argmax keeps the first): random logits
+    never tie."""
+    return logits.shape[-1] - 1 - greedy_sample_reference(logits.flip(-1))
 
 
 def mla_drops_last(q_lat, q_pe, c_cache, pe_cache, lengths, scale):

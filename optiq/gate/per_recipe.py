@@ -7,9 +7,18 @@ floating runs a second time with its activations (its first input and its KV cac
 activations that small reach the regime where a norm's eps is a good part of its result (a forgotten eps changes a
 result by ~eps / mean(x^2), a millionth at the model's own activations, below one bf16 rounding). A power of two
 scales exactly, so the scaled input is as representable as the captured one. A replacement whose variant lives at
-large activations (DeepSeek-V4's SwiGLU clamp, which random-weight activations never reach) names the powers of two
-that reach it in its ``input_scales``, and the call runs at each of them too. Sites with integer outputs (routers,
-samplers) are left out: scaling their inputs would not change which ids are picked, only create near-ties.
+large activations (DeepSeek-V4's SwiGLU clamp, Gemma 2's logit cap: random weights reach neither) names the powers of
+two that reach it in its ``input_scales`` (``PatchKind.input_scales``), and the call runs at each of them too.
+
+Sites with integer outputs (routers, samplers) are not scaled: that would not change which ids are picked, only
+create near-ties. They are given more rows instead, wherever the site's own path takes them: decode's few tokens
+pick the same few ids step after step. A router (a top-k pair of ids and weights out) that never picked the last
+eighth of its experts passed on them, so each router call also runs with WIDER_ROWS rows more, drawn at random
+around its own (``_widened``): in fp32 only, where scores do not tie (two correct kernels may break a bf16 tie
+apart), and where the call has fewer rows (a GPU gate's 16 and 64 sequences are many). A sampler (ids alone out)
+blind to the first eighth of the vocabulary passed too: its calls also run with rows whose largest logit is put at
+points spread over the vocabulary, and with a tie (``_swept``), in any dtype, since those rows decide their ids by
+construction.
 
 The fused path is the user's code: whatever it raises (SystemExit too), returns (another dtype, shape or device than
 the original's: ``rules.unlike``) or however long it runs (``user_code.deadline``, from the original's time on the
@@ -29,13 +38,15 @@ import torch
 
 from optiq.gate.capture import CACHES, fresh, layers_read, scaled_copy, tensors
 from optiq.gate.references.float64 import float64_path
-from optiq.gate.rules import GATE, error, site_bound, unlike
+from optiq.gate.rules import GATE, error, site_bound, topk_ids, unlike
 from optiq.patching import Patches
 from optiq.patching.changes import Site
 from optiq.patching.user_code import FAILURES, call_deadline, deadline, describe
 from optiq.record import RecipeVerdict
 
 SMALL_SCALE = 2.0 ** -10
+WIDER_ROWS = 64
+SWEEP_POINTS = 9  # the first entry, the last, and the eighths between
 
 
 @dataclass
@@ -59,18 +70,77 @@ class CallErrors:
         return math.nan if any(math.isnan(e) for e in self.err_runs) else max(self.err_runs)
 
 
-def _scaled(args: tuple, kwargs: dict, factor: float) -> tuple[tuple, dict] | None:
-    """The call with its activations times ``factor``: its first floating tensor argument (positional, else
-    ``hidden_states``) and its KV cache, whose values feed the attention output a decoder layer adds to its residual
-    (position embeddings and masks stay as they are); None if it has no floating tensor argument."""
+def _activation(args: tuple, kwargs: dict) -> tuple[int | None, torch.Tensor | None]:
+    """(position, tensor) of a call's activation: its first floating tensor argument, else its ``hidden_states``
+    (position None); (None, None) for a call with neither."""
     first = next((i for i, v in enumerate(args) if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
-    if first is None and not (isinstance(kwargs.get("hidden_states"), torch.Tensor)
-                              and kwargs["hidden_states"].is_floating_point()):
+    if first is not None:
+        return first, args[first]
+    given = kwargs.get("hidden_states")
+    return None, given if isinstance(given, torch.Tensor) and given.is_floating_point() else None
+
+
+def _with_activation(args: tuple, kwargs: dict, position: int | None, value: torch.Tensor) -> tuple[tuple, dict]:
+    """The call with its activation (``_activation``'s position) replaced by ``value``."""
+    if position is not None:
+        return args[:position] + (value,) + args[position + 1:], kwargs
+    return args, {**kwargs, "hidden_states": value}
+
+
+def _scaled(args: tuple, kwargs: dict, factor: float) -> tuple[tuple, dict] | None:
+    """The call with its activations times ``factor``: its activation (``_activation``) and its KV cache, whose
+    values feed the attention output a decoder layer adds to its residual (position embeddings and masks stay as
+    they are); None if it has no activation."""
+    position, given = _activation(args, kwargs)
+    if given is None:
         return None
-    args = tuple(scaled_copy(v, factor) if i == first or isinstance(v, CACHES) else v for i, v in enumerate(args))
-    kwargs = {k: scaled_copy(v, factor) if (k == "hidden_states" and first is None) or isinstance(v, CACHES)
-              else v for k, v in kwargs.items()}
-    return args, kwargs
+    args, kwargs = _with_activation(args, kwargs, position, scaled_copy(given, factor))
+    return (tuple(scaled_copy(v, factor) if isinstance(v, CACHES) else v for v in args),
+            {k: scaled_copy(v, factor) if isinstance(v, CACHES) else v for k, v in kwargs.items()})
+
+
+def _widened(args: tuple, kwargs: dict, seed: int) -> tuple[tuple, dict] | None:
+    """The call with WIDER_ROWS more rows (along its first dim) in its activation of two or three dims: the captured
+    rows' mean plus noise of their spread, from a fixed seed, so a router meets many more distinct tokens than one
+    decode step holds. None for a call without such an activation, in another dtype than fp32, or with WIDER_ROWS
+    tokens or more already."""
+    position, given = _activation(args, kwargs)
+    if not (given is not None and given.dtype == torch.float32 and given.dim() in (2, 3)
+            and 0 < given.shape[0] * (given.shape[1] if given.dim() == 3 else 1) < WIDER_ROWS):
+        return None
+    generator = torch.Generator(device=given.device).manual_seed(seed)
+    noise = torch.randn((WIDER_ROWS, *given.shape[1:]), generator=generator, device=given.device)
+    extra = given.mean(dim=0, keepdim=True) + given.std(unbiased=False) * noise
+    return _with_activation(args, kwargs, position, torch.cat((given, extra)))
+
+
+def _swept(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The call with SWEEP_POINTS + 1 more rows in its activation of two dims: its first row with one entry raised
+    above the rest, at points spread over the last dim from the first entry to the last, then with two such entries
+    (a tie, which the lowest index wins, as torch.argmax has it). For a site that returns ids alone (a sampler):
+    whether every stretch of the vocabulary can be picked, and how a tie is broken, where random logits put a
+    step's few maxima in a few places (a kernel blind to the first eighth of the vocabulary passed on them). None
+    for a call without such an activation."""
+    position, given = _activation(args, kwargs)
+    if given is None or given.dim() != 2 or given.shape[0] == 0 or given.shape[1] < 2:
+        return None
+    points = torch.linspace(0, given.shape[1] - 1, SWEEP_POINTS, device=given.device).round().long()
+    rows = given[:1].repeat(SWEEP_POINTS + 1, 1)
+    raised = given[0].float().abs().max() * 2 + 1  # above every entry, and still so once rounded to bf16
+    rows[torch.arange(SWEEP_POINTS, device=given.device), points] = raised.to(given.dtype)
+    rows[SWEEP_POINTS, points[1:3]] = raised.to(given.dtype)
+    return _with_activation(args, kwargs, position, torch.cat((given, rows)))
+
+
+def _takes(original, args: tuple, kwargs: dict) -> bool:
+    """Whether the site's own path runs on the call (a widened one it may not take: rows tied to a cache)."""
+    try:
+        original(*fresh(args), **fresh(kwargs))
+    except torch.OutOfMemoryError:
+        raise
+    except Exception:  # noqa: BLE001 - the model's code refusing the shape: the variant is not checked
+        return False
+    return True
 
 
 def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], where: str = "",
@@ -114,13 +184,20 @@ def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], whe
                     bound = site_bound(tolerance, err_unfused)
                     return CallErrors(label, err_unfused, err_runs, bound, exact_match), want
 
-                factors = (SMALL_SCALE, *getattr(site.replacement, "input_scales", ()))
                 for number, (args, kwargs) in enumerate(calls, 1):
                     errors, want = run(f"{site.label} (call {number}{where})", args, kwargs)
                     yield errors
+                    if topk_ids(want) is not None:
+                        extra, more = _widened(args, kwargs, seed=number), f"{WIDER_ROWS} more rows"
+                    elif not any(t.is_floating_point() for t in want):
+                        extra, more = _swept(args, kwargs), "its largest entry swept over the last dim"
+                    else:
+                        extra = None
+                    if extra is not None and _takes(original, *extra):
+                        yield run(f"{site.label} (call {number}{where}, {more})", *extra)[0]
                     if not (scaled and all(t.is_floating_point() for t in want)):
                         continue
-                    for factor in factors:
+                    for factor in (SMALL_SCALE, *kind.input_scales(site.replacement, args, kwargs)):
                         variant = _scaled(args, kwargs, factor)
                         if variant is not None:
                             yield run(f"{site.label} (call {number}{where}, input x 2^{int(math.log2(factor))})",

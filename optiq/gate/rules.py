@@ -43,10 +43,16 @@ E2E_FACTOR = {"exact": 1.25, "exact_order": 1.25, "reassociation": 1.5, "lossy":
 E2E_SLACK = {"exact": 0.02, "exact_order": 0.02, "reassociation": 0.05, "lossy": 0.1}
 
 
+def topk_ids(outputs: list[torch.Tensor]) -> torch.Tensor | None:
+    """The ids of a top-k pair among the outputs (an integer tensor of k > 1 a row, with a float tensor of its shape:
+    a router's choice and weights), or None."""
+    return next((t for t in outputs if not t.is_floating_point() and t.dim() and t.shape[-1] > 1
+                 and any(o.is_floating_point() and o.shape == t.shape for o in outputs)), None)
+
+
 def sorted_by_id(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The outputs with each row of a top-k pair (an integer tensor and the float tensors of its shape) sorted by id."""
-    ids = next((t for t in outputs if not t.is_floating_point() and t.dim() and t.shape[-1] > 1
-                and any(o.is_floating_point() and o.shape == t.shape for o in outputs)), None)
+    ids = topk_ids(outputs)
     if ids is None:
         return outputs
     order = ids.argsort(dim=-1)

@@ -51,6 +51,13 @@ class PatchKind:
         """A site's path (original, replacement or reference) as one callable of the arguments ``recorder`` saved."""
         return path
 
+    def input_scales(self, replacement: Any, args: tuple, kwargs: dict) -> tuple[float, ...]:
+        """The powers of two the gate also runs a captured call at, with its activations scaled (``gate.per_recipe``):
+        those the replacement names as ``input_scales``, a tuple or a function of the call, where its variant lives
+        at activations the model's own never reach."""
+        scales = getattr(replacement, "input_scales", ())
+        return tuple(scales(*args, **kwargs) if callable(scales) else scales)
+
     def recorder(self, original: Any, calls: list, copy: Callable) -> Any:
         """The original path, appending ``copy((args, kwargs))`` of its inputs to ``calls`` at each call."""
         def record(*args, **kwargs):
@@ -183,6 +190,10 @@ class AttentionInterface(PatchKind):
         attention, mask = path
         return lambda mask_kwargs, module, q, k, v, **kwargs: attention(module, q, k, v, mask(**mask_kwargs),
                                                                         **kwargs)[0]
+
+    def input_scales(self, replacement, args, kwargs):
+        mask_kwargs, module, q, k, v = args
+        return super().input_scales(replacement[0], (module, q, k, v), kwargs)
 
     def recorder(self, original, calls, copy):
         attention, mask = original

@@ -3,6 +3,8 @@ and a decode attention kernel behind an HF interface."""
 
 from __future__ import annotations
 
+import inspect
+import math
 import sys
 import weakref
 
@@ -254,6 +256,10 @@ def decode_attention_interface(fusion, replaced):
     every model without those variants."""
     replaced_attention, replaced_mask = replaced
     eager = replaced_mask is AttentionMaskInterface._global_mapping["eager"]
+    # the variants the replaced implementation computes: a modeling module's own eager forward its model's, a
+    # registered one those its signature names (sdpa has no softcap and no sinks: Gemma 2 under sdpa runs
+    # uncapped, and the kernel computes what the model ran)
+    named = None if eager else inspect.signature(replaced_attention).parameters
 
     def mask(**kwargs):
         spans = _decode_spans(kwargs)
@@ -263,12 +269,31 @@ def decode_attention_interface(fusion, replaced):
         spans = _spans(attention_mask, key.shape[2])
         if spans is not None and _kernel_computes(query, key, value, kwargs):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            variants = {"starts": spans.get("starts"), "softcap": kwargs.get("softcap"),
-                        "sinks": kwargs.get("s_aux"), "visible": spans.get("visible")}
+            variants = {"starts": spans.get("starts"), "visible": spans.get("visible"),
+                        **{name: kwargs.get(given) for name, given in (("softcap", "softcap"), ("sinks", "s_aux"))
+                           if named is None or given in named}}
             return fusion(query, key, value, spans["lengths"], scale,
                           **{name: given for name, given in variants.items() if given is not None}), None
         if spans is not None:
             attention_mask = _span_mask(spans, key.shape[2], query.dtype if eager else None)
         return replaced_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
+    attention.input_scales = softcap_scales
     return attention, mask
+
+
+def softcap_scales(module, query, key, value, scaling=None, softcap=None, **kwargs) -> tuple[float, ...]:
+    """The power of two that lifts this call's largest score to between a sixteenth and an eighth of the logit cap
+    (its query times it), for the gate to run the call at as well. Random weights give scores of a few thousandths,
+    which a cap of 50 leaves straight to a part in 10^9, so a kernel that forgot the cap computes the same there and
+    is wrong at a trained model's scores. Lifted, the cap bends the largest scores by a part in 10^3 (a forgotten cap
+    moves the output by 1e-4 or more, hundreds of fp32 roundings) while the softmax stays well conditioned: at
+    scores near the cap every rounding of a score is amplified, and a correct kernel's error would scatter past
+    the bound. Nothing for a call without a cap."""
+    if not softcap or query.shape[1] % key.shape[1]:
+        return ()
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    grouped = query.float().reshape(key.shape[0], key.shape[1], -1, query.shape[-1])
+    largest = (grouped @ key.float().transpose(-1, -2)).abs().max().item() * scale
+    factor = 2.0 ** math.ceil(math.log2(softcap / 16 / largest)) if largest > 0 else 1.0
+    return (factor,) if factor != 1.0 else ()
