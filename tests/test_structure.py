@@ -215,7 +215,7 @@ def test_decode_attention_computes_the_zoo_variants_and_forgetting_one_is_caught
     """The prompt outgrows the tiny configs' 32-position window, so forgetting the window changes the function; the
     kernel must run on these calls (not hand them back), so the mutants that forget a variant alter something.
     Random weights give scores of a few thousandths, which Gemma 2's own cap of 50 leaves straight: the gate lifts
-    them to the cap (``softcap_scales``), or a kernel without the cap would pass."""
+    them toward it (``softcap_scales``), or a kernel without the cap would pass."""
     model = load_model(spec, torch.float32, torch.device("cpu"))
     assert {m.attn_logit_softcapping for m in model.modules() if hasattr(m, "attn_logit_softcapping")} <= {None, 50.0}
     results = verify(model, [load_catalog()["decode_attention"]], GatePlan((2,), steps=3, prompt_len=40))
@@ -311,7 +311,7 @@ def assert_kept(model, plan, name: str):
 def test_a_sampler_blind_to_a_stretch_of_the_vocabulary_or_breaking_ties_late_is_rolled_back(tmp_path):
     """On tiny:gpt_neox no captured step's largest logit fell in the first eighth of the vocabulary, so a sampler
     blind to it passed, as one keeping the later of two tied maxima passes wherever logits are random: the gate's
-    swept rows (``per_recipe._swept``) show both. The real sampler is kept."""
+    rows with their maximum swept over the vocabulary, and a tie (``per_recipe._swept``), show both. The real sampler is kept."""
     model = load_model("tiny:gpt_neox", torch.float32, torch.device("cpu"))
     plan = GatePlan((1, 2), steps=3, prompt_len=16, max_len=64)
     patches = apply(model, [load_catalog()["greedy_sample"]])
@@ -320,14 +320,15 @@ def test_a_sampler_blind_to_a_stretch_of_the_vocabulary_or_breaking_ties_late_is
     finally:
         unpatch(model)
     assert report.passed and not report.rolled_back, report.recipes
-    for fusion in ("sampler_blind_to_first_block", "sampler_last_of_ties"):
+    for fusion, seen in (("sampler_blind_to_first_block", "its largest entry at 0"),
+                         ("sampler_last_of_ties", "a tie")):
         patches = apply(model, [user_recipe(tmp_path / fusion, "greedy_sample", "wrong",
                                             fusion=f"wrong_kernels:{fusion}")])
         try:
             report = validate(patches, plan)
         finally:
             unpatch(model)
-        assert report.rolled_back == ["wrong"] and "swept" in report.recipes["wrong"].reason, (fusion, report)
+        assert report.rolled_back == ["wrong"] and seen in report.recipes["wrong"].reason, (fusion, report)
 
 
 def test_hyper_connections_are_found_by_what_they_compute():

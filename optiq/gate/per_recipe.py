@@ -114,22 +114,23 @@ def _widened(args: tuple, kwargs: dict, seed: int) -> tuple[tuple, dict] | None:
     return _with_activation(args, kwargs, position, torch.cat((given, extra)))
 
 
-def _swept(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """The call with SWEEP_POINTS + 1 more rows in its activation of two dims: its first row with one entry raised
-    above the rest, at points spread over the last dim from the first entry to the last, then with two such entries
-    (a tie, which the lowest index wins, as torch.argmax has it). For a site that returns ids alone (a sampler):
-    whether every stretch of the vocabulary can be picked, and how a tie is broken, where random logits put a
-    step's few maxima in a few places (a kernel blind to the first eighth of the vocabulary passed on them). None
-    for a call without such an activation."""
+def _swept(args: tuple, kwargs: dict) -> Iterator[tuple[str, tuple, dict]]:
+    """(what, args, kwargs) of one-row calls made from the call's activation of two dims: its first row with one
+    entry raised above the rest, at SWEEP_POINTS points spread over the last dim from the first entry to the last,
+    then with two such entries (a tie, which the lowest index wins, as torch.argmax has it). For a site that returns
+    ids alone (a sampler): whether every stretch of the vocabulary can be picked, and how a tie is broken, where
+    random logits put a step's few maxima in a few places (a kernel blind to the first eighth of the vocabulary
+    passed on them). One row a call: under Triton's interpreter a row costs a sampler ~0.2 s at a 32k vocabulary,
+    and each call has its own deadline. Nothing for a call without such an activation."""
     position, given = _activation(args, kwargs)
     if given is None or given.dim() != 2 or given.shape[0] == 0 or given.shape[1] < 2:
-        return None
-    points = torch.linspace(0, given.shape[1] - 1, SWEEP_POINTS, device=given.device).round().long()
-    rows = given[:1].repeat(SWEEP_POINTS + 1, 1)
-    raised = given[0].float().abs().max() * 2 + 1  # above every entry, and still so once rounded to bf16
-    rows[torch.arange(SWEEP_POINTS, device=given.device), points] = raised.to(given.dtype)
-    rows[SWEEP_POINTS, points[1:3]] = raised.to(given.dtype)
-    return _with_activation(args, kwargs, position, torch.cat((given, rows)))
+        return
+    points = torch.linspace(0, given.shape[1] - 1, SWEEP_POINTS).round().long().tolist()
+    raised = (given[0].float().abs().max() * 2 + 1).to(given.dtype)  # above every entry, still so in bf16
+    for what, where in [*((f"its largest entry at {p}", [p]) for p in points), ("a tie", points[1:3])]:
+        row = given[:1].clone()
+        row[0, where] = raised
+        yield (what, *_with_activation(args, kwargs, position, row))
 
 
 def _takes(original, args: tuple, kwargs: dict) -> bool:
@@ -188,13 +189,15 @@ def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], whe
                     errors, want = run(f"{site.label} (call {number}{where})", args, kwargs)
                     yield errors
                     if topk_ids(want) is not None:
-                        extra, more = _widened(args, kwargs, seed=number), f"{WIDER_ROWS} more rows"
-                    elif not any(t.is_floating_point() for t in want):
-                        extra, more = _swept(args, kwargs), "its largest entry swept over the last dim"
+                        wider = _widened(args, kwargs, seed=number)
+                        extra = [] if wider is None else [(f"{WIDER_ROWS} more rows", *wider)]
+                    elif number == 1 and not any(t.is_floating_point() for t in want):
+                        extra = _swept(args, kwargs)  # its rows' ids are set by construction: once a site is enough
                     else:
-                        extra = None
-                    if extra is not None and _takes(original, *extra):
-                        yield run(f"{site.label} (call {number}{where}, {more})", *extra)[0]
+                        extra = []
+                    for what, *variant in extra:
+                        if _takes(original, *variant):
+                            yield run(f"{site.label} (call {number}{where}, {what})", *variant)[0]
                     if not (scaled and all(t.is_floating_point() for t in want)):
                         continue
                     for factor in (SMALL_SCALE, *kind.input_scales(site.replacement, args, kwargs)):
