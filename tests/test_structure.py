@@ -311,7 +311,8 @@ def assert_kept(model, plan, name: str):
 def test_a_sampler_blind_to_a_stretch_of_the_vocabulary_or_breaking_ties_late_is_rolled_back(tmp_path):
     """On tiny:gpt_neox no captured step's largest logit fell in the first eighth of the vocabulary, so a sampler
     blind to it passed, as one keeping the later of two tied maxima passes wherever logits are random: the gate's
-    rows with their maximum swept over the vocabulary, and a tie (``per_recipe._swept``), show both. The real sampler is kept."""
+    rows with their maximum swept over the vocabulary, and a tie (``per_recipe._swept``), show both. The real
+    sampler is kept."""
     model = load_model("tiny:gpt_neox", torch.float32, torch.device("cpu"))
     plan = GatePlan((1, 2), steps=3, prompt_len=16, max_len=64)
     patches = apply(model, [load_catalog()["greedy_sample"]])
