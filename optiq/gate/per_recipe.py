@@ -192,7 +192,7 @@ def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], whe
                         wider = _widened(args, kwargs, seed=number)
                         extra = [] if wider is None else [(f"{WIDER_ROWS} more rows", *wider)]
                     elif number == 1 and not any(t.is_floating_point() for t in want):
-                        extra = _swept(args, kwargs)  # its rows' ids are set by construction: once a site is enough
+                        extra = _swept(args, kwargs)  # ids set by construction: a site's first call is enough
                     else:
                         extra = []
                     for what, *variant in extra:
