@@ -133,17 +133,6 @@ def _swept(args: tuple, kwargs: dict) -> Iterator[tuple[str, tuple, dict]]:
         yield (what, *_with_activation(args, kwargs, position, row))
 
 
-def _takes(original, args: tuple, kwargs: dict) -> bool:
-    """Whether the site's own path runs on the call (a widened one it may not take: rows tied to a cache)."""
-    try:
-        original(*fresh(args), **fresh(kwargs))
-    except torch.OutOfMemoryError:
-        raise
-    except Exception:  # noqa: BLE001 - the model's code refusing the shape: the variant is not checked
-        return False
-    return True
-
-
 def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], where: str = "",
                 scaled: bool = False) -> Iterator[CallErrors]:
     """Every captured call of recipe ``name``'s sites (and its scaled variant, with ``scaled``) through the three
@@ -157,7 +146,10 @@ def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], whe
             with float64_path(site.original) as exact:
                 reference = kind.call(exact)
 
-                def run(label: str, args: tuple, kwargs: dict) -> tuple[CallErrors, list[torch.Tensor]]:
+                def run(label: str, args: tuple, kwargs: dict,
+                        variant: bool = False) -> tuple[CallErrors | None, list[torch.Tensor]]:
+                    """The call's errors and its float64 outputs; None for a ``variant`` (more rows than captured)
+                    that the site's own path does not take (rows tied to a cache): it is not checked."""
                     layers = layers_read(site.original, args, kwargs)
                     try:  # the model's own path, replayed on what the call was given
                         want = tensors(reference(*fresh(args, torch.float64, layers),
@@ -167,6 +159,8 @@ def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], whe
                     except torch.OutOfMemoryError:
                         raise
                     except Exception as exc:  # noqa: BLE001 - a site the patch kind cannot replay: nothing to check
+                        if variant:
+                            return None, []
                         return CallErrors.failure(label, f"the site's own path fails when replayed on its captured "
                                                          f"inputs ({describe(exc)}), so the gate cannot check it"), []
                     allowed = call_deadline(device_type, time.perf_counter() - started)
@@ -196,8 +190,9 @@ def call_errors(patches: Patches, name: str, sites: list[tuple[Site, list]], whe
                     else:
                         extra = []
                     for what, *variant in extra:
-                        if _takes(original, *variant):
-                            yield run(f"{site.label} (call {number}{where}, {what})", *variant)[0]
+                        checked = run(f"{site.label} (call {number}{where}, {what})", *variant, variant=True)[0]
+                        if checked is not None:
+                            yield checked
                     if not (scaled and all(t.is_floating_point() for t in want)):
                         continue
                     for factor in (SMALL_SCALE, *kind.input_scales(site.replacement, args, kwargs)):
