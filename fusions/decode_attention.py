@@ -280,8 +280,8 @@ def split_layout(max_len: int, block_n: int, splits: int) -> tuple[int, int]:
 
 @torch.library.triton_op("optiq::decode_attention", mutates_args={"arrivals"})
 def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, lengths: torch.Tensor,
-                         arrivals: torch.Tensor, scale: float, num_splits: int | None = None, starts: torch.Tensor | None = None,
-                         softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                         arrivals: torch.Tensor, scale: float, num_splits: int | None = None,
+                         starts: torch.Tensor | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
                          visible: torch.Tensor | None = None) -> torch.Tensor:
     batch, num_q_heads, q_len, head_dim = q.shape
     _, num_kv_heads, max_len, _ = k_cache.shape
