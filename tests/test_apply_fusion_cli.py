@@ -11,8 +11,10 @@ from optiq import record
 from optiq.cli import cli
 from optiq.errors import EXIT_GATE_REJECTED_ALL
 
+# --min-share 0: auto takes every proposal, whatever share the CPU profile's timing gives it (a 0.1 s pause in the
+# sampler's one op, seen late in a long test session, left every other proposal under the default 0.25%)
 SMALL = ["--model", "tiny-llama", "--concurrency", "1,2", "--prompt-len", "16", "--new-tokens", "2", "--max-len",
-         "64", "--repeats", "1", "--gate-steps", "4", "--json"]
+         "64", "--repeats", "1", "--gate-steps", "4", "--min-share", "0", "--json"]
 
 
 def test_auto_recipes_pass_the_gate_and_the_report_is_written(tmp_path):
@@ -26,7 +28,8 @@ def test_auto_recipes_pass_the_gate_and_the_report_is_written(tmp_path):
     assert record.from_json(doc).command == "apply-fusion"
     fusion = doc["fusion"]
     assert doc["status"] == "complete" and fusion["rolled_back"] == []
-    assert "decode_attention" in fusion["applied"]  # the largest proposal on the tiny model too
+    assert "decode_attention" in fusion["applied"], {k: v for k, v in fusion.items() if k != "gate"}  # the largest
+    # proposal on the tiny model too
     assert all(r["passed"] for r in fusion["gate"]["recipes"].values())
     assert [e["concurrency"] for e in fusion["gate"]["end_to_end"]] == [1, 2]
     assert all(e["passed"] and e["top1"] == 1.0 for e in fusion["gate"]["end_to_end"])  # fp32: identical greedy picks
@@ -62,7 +65,7 @@ def test_auto_chooses_again_without_a_recipe_the_gate_rolled_back(tmp_path):
                                       str(tmp_path / "runs")])
     assert result.exit_code == 0, result.stderr
     fusion = json.loads(result.stdout)["fusion"]
-    assert fusion["rolled_back"] == ["decode_mlp"]
+    assert fusion["rolled_back"] == ["decode_mlp"], {k: v for k, v in fusion.items() if k != "gate"}
     assert "gate_up_swiglu" in fusion["applied"] and "decode_mlp" not in fusion["applied"]
     assert fusion["gate"]["recipes"]["gate_up_swiglu"]["passed"] and not fusion["gate"]["recipes"]["decode_mlp"]["passed"]
     assert all(e["passed"] for e in fusion["gate"]["end_to_end"])
