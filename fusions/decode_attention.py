@@ -42,7 +42,6 @@ from optiq.fusions.launch import (launch_options, multiprocessor_count, prefetch
 from optiq.fusions.linear import arrival_counters
 
 LOG2E = 1.4426950408889634
-COMBINE_ROWS = 16  # output rows a combine program merges
 
 
 @triton.jit
@@ -110,8 +109,8 @@ def _decode_attention_split_kernel(
     sequence sees: the combine then gives it zero weight). With ONE_SPLIT the split is the whole softmax: the
     output itself is written (into ``partial_out_ptr``, in the output's dtype, the sinks' share taken out here), and
     no combine runs. With COMBINE_HERE the last split of a (sequence, kv head, head block) to arrive (a counter per
-    program of axis 0, left at zero) merges the splits' partials into the output (``combine_splits``), and no combine
-    kernel runs either.
+    program of axis 0, left at zero) merges the splits' partials into the block's output rows one by one
+    (``combine_row``), and no combine kernel runs either.
 
     Before waiting for its predecessor (which writes the step's new position, and perhaps the lengths), a program
     asks L2 for its first tile of cached keys and values, as far as the lengths it reads then say: a prefetch only,
@@ -187,58 +186,61 @@ def _decode_attention_split_kernel(
     if COMBINE_HERE:
         tl.debug_barrier()  # every thread's partial is written before the arrival that publishes them
         if tl.atomic_add(arrivals_ptr + pid_bh, 1, sem="acq_rel") == num_splits - 1:
-            out_rows = batch * num_kv_heads * group_size + q_heads
-            combine_splits(partial_out_ptr, partial_lse_ptr, sinks_ptr, out_ptr, out_rows, q_heads, row_mask, cols,
-                           col_mask, head_dim, num_splits, BLOCK_S, HAS_SINKS)
+            first = head_block * BLOCK_G
+            for g in range(first, tl.minimum(first + BLOCK_G, group_size)):
+                q_head = kv_head * group_size + g
+                combine_row(partial_out_ptr, partial_lse_ptr, sinks_ptr, out_ptr,
+                            batch * num_kv_heads * group_size + q_head, q_head, head_dim, num_splits,
+                            BLOCK_S, BLOCK_D, HAS_SINKS)
             tl.atomic_xchg(arrivals_ptr + pid_bh, 0)
 
 
 @triton.jit
-def combine_splits(partial_out_ptr, partial_lse_ptr, sinks_ptr, out_ptr, rows, q_heads, row_mask, cols, col_mask,
-                   head_dim, num_splits, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """Output rows ``rows`` (query heads ``q_heads``): each split's output weighted by exp2(lse - max lse), empty
-    splits weighing zero, in split order.
+def combine_row(partial_out_ptr, partial_lse_ptr, sinks_ptr, out_ptr, row, q_head, head_dim, num_splits,
+                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Output row ``row`` (a sequence's query head ``q_head``): each split's output weighted by exp2(lse - max lse),
+    empty splits weighing zero; every split in one load.
 
-    A sink adds its exp2 to the denominator only (it has no value), pivoted with the splits' max. The partials come
-    from L2: other programs wrote them during this kernel."""
+    A sink adds its exp2 to the denominator only (it has no value), pivoted with the splits' max. The partials are
+    read from L2 (``.cg``): in the split kernel, other programs wrote them during the same launch."""
     splits = tl.arange(0, BLOCK_S)
-    lse = tl.load(partial_lse_ptr + rows[:, None] * num_splits + splits[None, :],
-                  mask=row_mask[:, None] & (splits[None, :] < num_splits), other=float("-inf"), cache_modifier=".cg")
-    max_lse = tl.max(lse, axis=1)
+    cols = tl.arange(0, BLOCK_D)
+    split_mask = splits < num_splits
+    col_mask = cols < head_dim
+
+    lse = tl.load(partial_lse_ptr + row * num_splits + splits, mask=split_mask, other=float("-inf"),
+                  cache_modifier=".cg")
+    max_lse = tl.max(lse, axis=0)
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + q_heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(sinks_ptr + q_head).to(tl.float32) * 1.4426950408889634
         max_lse = tl.maximum(max_lse, sink)
     # a finite pivot even when every split is empty (length 0): exp2(-inf - pivot) is then a clean 0
     pivot = tl.where(max_lse > float("-inf"), max_lse, 0.0)
-    total = tl.sum(tl.exp2(lse - pivot[:, None]), axis=1)
+    weights = tl.exp2(lse - pivot)
+    partial = tl.load(
+        partial_out_ptr + (row * num_splits + splits)[:, None] * head_dim + cols[None, :],
+        mask=split_mask[:, None] & col_mask[None, :], other=0.0, cache_modifier=".cg",
+    )
+    total = tl.sum(weights, axis=0)
     if HAS_SINKS:
         total += tl.exp2(sink - pivot)
-    acc = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
-    for split in range(num_splits):
-        weight = tl.exp2(tl.load(partial_lse_ptr + rows * num_splits + split, mask=row_mask, other=float("-inf"),
-                                 cache_modifier=".cg") - pivot)
-        partial = tl.load(partial_out_ptr + (rows * num_splits + split)[:, None] * head_dim + cols[None, :],
-                          mask=row_mask[:, None] & col_mask[None, :], other=0.0, cache_modifier=".cg")
-        acc += partial * weight[:, None]
-    out = acc / tl.maximum(total, 1e-30)[:, None]
-    tl.store(out_ptr + rows[:, None] * head_dim + cols[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    total = tl.maximum(total, 1e-30)
+    out = tl.sum(partial * weights[:, None], axis=0) / total
+    tl.store(out_ptr + row * head_dim + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
 def _decode_attention_combine_kernel(
-    partial_out_ptr, partial_lse_ptr, sinks_ptr, out_ptr, head_dim, num_splits, num_rows, num_q_heads,
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
+    partial_out_ptr, partial_lse_ptr, sinks_ptr, out_ptr, head_dim, num_splits, num_q_heads,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """BLOCK_R output rows (sequence, query head) from their splits' partials (``combine_splits``): the second
-    kernel, where the split kernel does not merge them itself."""
+    """One (sequence, query head) from its splits' partials (``combine_row``): the second kernel, where the split
+    kernel does not merge them itself."""
     wait_for_predecessor(USE_PDL)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    row_mask = rows < num_rows
-    combine_splits(partial_out_ptr, partial_lse_ptr, sinks_ptr, out_ptr, rows, rows % num_q_heads, row_mask, cols,
-                   cols < head_dim, head_dim, num_splits, BLOCK_S, HAS_SINKS)
+    row = tl.program_id(0).to(tl.int64)
+    combine_row(partial_out_ptr, partial_lse_ptr, sinks_ptr, out_ptr, row, row % num_q_heads, head_dim, num_splits,
+                BLOCK_S, BLOCK_D, HAS_SINKS)
 
 
 TILE_GRID = [dict(BLOCK_N=n, SPLITS=splits, num_warps=w, num_stages=st)  # what scripts/tiles.py times
@@ -330,10 +332,9 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     )
     if one_split or combine_here:
         return out
-    rows = batch * num_q_heads
-    torch.library.wrap_triton(_decode_attention_combine_kernel)[(triton.cdiv(rows, COMBINE_ROWS),)](
-        partial_out, partial_lse, partial_lse if sinks is None else sinks, out, head_dim, splits, rows, num_q_heads,
-        BLOCK_R=COMBINE_ROWS, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, HAS_SINKS=sinks is not None,
+    torch.library.wrap_triton(_decode_attention_combine_kernel)[(batch * num_q_heads,)](
+        partial_out, partial_lse, partial_lse if sinks is None else sinks, out, head_dim, splits, num_q_heads,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, HAS_SINKS=sinks is not None,
         num_warps=4, **launch_options(q),
     )
     return out

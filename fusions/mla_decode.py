@@ -9,8 +9,7 @@ the caller), so every head attends over the same latent:
     scores[h, n] = (q_lat[h] . c[n] + q_pe[h] . k_pe[n]) * scale,    out_lat[h] = softmax_n(scores[h]) @ c
 
 One program owns one sequence's split of the filled positions and all its heads, so each latent and rope-key byte is
-read once per step; splits are merged by decode_attention's log-sum-exp combine, in the last split of a sequence to
-finish, as decode_attention merges its own. Split counts come from shapes only
+read once per step; splits are merged by decode_attention's log-sum-exp combine. Split counts come from shapes only
 (no host sync: the op captures into a CUDA graph).
 """
 
@@ -20,27 +19,24 @@ import torch
 import triton
 import triton.language as tl
 
-from optiq.fusions.decode_attention import (COMBINE_ROWS, LOG2E, _decode_attention_combine_kernel, combine_splits,
-                                            online_softmax_step, split_bounds, split_layout, split_result,
-                                            tile_config)
+from optiq.fusions.decode_attention import (LOG2E, _decode_attention_combine_kernel, online_softmax_step,
+                                            split_bounds, split_layout, split_result, tile_config)
 from optiq.fusions.launch import launch_options, wait_for_predecessor
-from optiq.fusions.linear import arrival_counters
 
 
 @triton.jit
 def _mla_split_kernel(
-    q_lat_ptr, q_pe_ptr, c_ptr, pe_ptr, lengths_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, arrivals_ptr,
+    q_lat_ptr, q_pe_ptr, c_ptr, pe_ptr, lengths_ptr, partial_out_ptr, partial_lse_ptr,
     scale_log2e,
     stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_cb, stride_cn, stride_pb, stride_pn,
     num_heads, latent, rope, split_len, num_splits,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_S: tl.constexpr, COMBINE_ROWS: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    COMBINE_HERE: tl.constexpr, USE_PDL: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One (sequence, split): online softmax of every head over the split's filled positions.
 
-    Writes each head's normalised latent output and log2-sum-exp2 (-inf for a split past the sequence's length);
-    with COMBINE_HERE the sequence's last split to arrive merges them, COMBINE_ROWS heads at a time."""
+    Writes each head's normalised latent output and log2-sum-exp2 (-inf for a split past the sequence's length)."""
     wait_for_predecessor(USE_PDL)
     batch = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -87,19 +83,11 @@ def _mla_split_kernel(
     tl.store(partial_lse_ptr + partial_rows, lse, mask=head_mask)
     tl.store(partial_out_ptr + partial_rows[:, None] * latent + cols_r[None, :], out,
              mask=head_mask[:, None] & r_mask[None, :])
-    if COMBINE_HERE:
-        tl.debug_barrier()  # every thread's partial is written before the arrival that publishes them
-        if tl.atomic_add(arrivals_ptr + batch, 1, sem="acq_rel") == num_splits - 1:
-            for first in range(0, num_heads, COMBINE_ROWS):
-                block = first + tl.arange(0, COMBINE_ROWS)
-                combine_splits(partial_out_ptr, partial_lse_ptr, partial_lse_ptr, out_ptr, batch * num_heads + block,
-                               block, block < num_heads, cols_r, r_mask, latent, num_splits, BLOCK_S, False)
-            tl.atomic_xchg(arrivals_ptr + batch, 0)
 
 
-@torch.library.triton_op("optiq::mla_decode", mutates_args={"arrivals"})
+@torch.library.triton_op("optiq::mla_decode", mutates_args=())
 def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, c_cache: torch.Tensor, pe_cache: torch.Tensor,
-                   lengths: torch.Tensor, arrivals: torch.Tensor, scale: float) -> torch.Tensor:
+                   lengths: torch.Tensor, scale: float) -> torch.Tensor:
     batch, num_heads, latent = q_lat.shape
     rope = q_pe.shape[-1]
     max_len = c_cache.shape[1]
@@ -114,25 +102,20 @@ def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, c_cache: torch.Tenso
     partial_lse = torch.empty((batch, num_heads, splits), device=q_lat.device, dtype=torch.float32)
     out = torch.empty((batch, num_heads, latent), device=q_lat.device, dtype=q_lat.dtype)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    combine_here = batch <= arrivals.numel() and os.environ.get("OPTIQ_COMBINE_IN_SPLIT", "1") != "0"
     torch.library.wrap_triton(_mla_split_kernel)[(batch, splits)](
-        q_lat, q_pe, c_cache, pe_cache, lengths, partial_out, partial_lse, out, arrivals,
+        q_lat, q_pe, c_cache, pe_cache, lengths, partial_out, partial_lse,
         scale * LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         c_cache.stride(0), c_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1),
         num_heads, latent, rope, split_len, splits,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=block_n, BLOCK_R=block_r,
-        BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_S=triton.next_power_of_2(splits),
-        COMBINE_ROWS=COMBINE_ROWS, UPCAST_DOT=interpreted,
-        DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", COMBINE_HERE=combine_here,
+        BLOCK_P=max(16, triton.next_power_of_2(rope)),
+        UPCAST_DOT=interpreted, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
         num_warps=8, num_stages=2, **launch_options(q_lat),
     )
-    if combine_here:
-        return out
-    rows = batch * num_heads
-    torch.library.wrap_triton(_decode_attention_combine_kernel)[(triton.cdiv(rows, COMBINE_ROWS),)](
-        partial_out, partial_lse, partial_lse, out, latent, splits, rows, num_heads,
-        BLOCK_R=COMBINE_ROWS, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_r, HAS_SINKS=False, num_warps=4,
+    torch.library.wrap_triton(_decode_attention_combine_kernel)[(batch * num_heads,)](
+        partial_out, partial_lse, partial_lse, out, latent, splits, num_heads,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_r, HAS_SINKS=False, num_warps=4,
         **launch_options(q_lat),
     )
     return out
@@ -148,7 +131,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, c_cache: torch.Tensor, p
             or tuple(pe_cache.shape) != (batch, c_cache.shape[1], q_pe.shape[2])):
         raise ValueError(f"shapes do not fit: q_lat {tuple(q_lat.shape)}, q_pe {tuple(q_pe.shape)}, "
                          f"c_cache {tuple(c_cache.shape)}, pe_cache {tuple(pe_cache.shape)}")
-    return torch.ops.optiq.mla_decode(q_lat, q_pe, c_cache, pe_cache, lengths, arrival_counters(q_lat.device), scale)
+    return torch.ops.optiq.mla_decode(q_lat, q_pe, c_cache, pe_cache, lengths, scale)
 
 
 def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, c_cache: torch.Tensor, pe_cache: torch.Tensor,

@@ -7,7 +7,6 @@ CPU cases run the kernels under the Triton interpreter at small, odd shapes; CUD
 import pytest
 import torch
 
-from optiq.fusions.linear import arrival_counters
 from optiq.fusions.mla_decode import benchmark_case, mla_decode, mla_decode_reference
 from kernel_testing import OPCHECKS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
@@ -43,17 +42,6 @@ def test_shapes_and_lengths(request, heads, latent, rope, max_len, lengths):
     check(inputs, 0.3, torch.float32)
 
 
-@pytest.mark.usefixtures("poisoned_empty")
-@pytest.mark.parametrize("combine_in_split", ["1", "0"])
-def test_splits_merged_by_the_last_to_arrive_or_by_a_second_kernel(request, monkeypatch, combine_in_split):
-    """20 heads (a block of 16 and a cut one) merged in the last split of each sequence to finish, its counter left
-    at zero, or by the combine kernel with OPTIQ_COMBINE_IN_SPLIT=0: the float64 softmax either way."""
-    monkeypatch.setenv("OPTIQ_COMBINE_IN_SPLIT", combine_in_split)
-    inputs = make_inputs(seed_of(request), 2, 20, 32, 8, 90, [90, 41], torch.float32, SMALL_DEVICE)
-    check(inputs, 0.3, torch.float32)
-    assert not arrival_counters(inputs[0].device).any()
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_dtypes(request, dtype):
     check(make_inputs(seed_of(request), 2, 4, 32, 8, 40, [40, 7], dtype, SMALL_DEVICE), 0.2, dtype)
@@ -87,8 +75,7 @@ def test_absorbed_path_equals_hf_expand_then_sdpa():
 
 def test_custom_op_registration():
     inputs = make_inputs(7, 2, 4, 16, 8, 20, [20, 3], torch.float32, SMALL_DEVICE)  # all checks on CUDA: OPCHECKS
-    torch.library.opcheck(torch.ops.optiq.mla_decode.default, (*inputs, arrival_counters(inputs[0].device), 0.3),
-                          **OPCHECKS)
+    torch.library.opcheck(torch.ops.optiq.mla_decode.default, (*inputs, 0.3), **OPCHECKS)
 
 
 @needs_cuda
