@@ -4,11 +4,12 @@ One new query token per sequence attends to the first `lengths[b]` positions of 
 out as HF transformers' StaticCache keeps it. Each program reads one block of ONE kv head once and scores
 all of that head's query heads together, so no repeat_kv copy exists and each KV byte is read once per step.
 The KV axis is cut into splits (count chosen from shapes only, so the op never syncs with the host and can be
-captured in a CUDA graph); each split writes a partial output and its log-sum-exp, and the last split of a head
-block to finish merges them with those weights (an arrival counter per head block), in split order whichever split
-that is: one kernel, where a second one merging them cost a dependent launch each layer (the combine kernel
-remains for OPTIQ_COMBINE_IN_SPLIT=0, to measure that). Where the batch alone fills the GPU (one split) the split
-kernel writes the output itself.
+captured in a CUDA graph); each split writes a partial output and its log-sum-exp, and a second kernel merges
+the splits with those weights. With OPTIQ_COMBINE_IN_SPLIT=1 the last split of a head block to finish merges them
+instead (an arrival counter per head block), the same per-row code whichever split that is: one kernel a layer
+fewer, not yet timed on a GPU against the second kernel's launch (BENCHMARKS.md, session 28), so off by default.
+Where the batch alone fills the GPU (one split) the split kernel writes the output itself, and there is no second
+kernel.
 
 Layouts:
   q        [B, Hq, 1, D]      (HF's query_states after transpose(1, 2); any strides with a unit last stride)
@@ -313,7 +314,7 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     programs = batch * num_kv_heads * head_blocks
     combine_here = (not one_split and programs <= arrivals.numel()
-                    and os.environ.get("OPTIQ_COMBINE_IN_SPLIT", "1") != "0")  # the knob: to measure what it buys
+                    and os.environ.get("OPTIQ_COMBINE_IN_SPLIT", "0") == "1")  # the knob: to measure what it buys
     launch = launch_options(q)
     torch.library.wrap_triton(_decode_attention_split_kernel)[(programs, splits)](
         q, k_cache, v_cache, lengths, lengths if starts is None else starts, lengths if visible is None else visible,

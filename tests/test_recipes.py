@@ -48,6 +48,7 @@ def _user_recipe(tmp_path, name="my_norm", **replace):
     ({"kernels_saved_per_layer = 14": 'kernels_saved_per_layer = "many"'}, "'fixes.kernels_saved_per_layer' must be"),
     ({"[patch]": "[patch"}, "not valid TOML"),
     ({"+names": "names = \"q_norm\"\n"}, "'patch.names' must be a list of strings"),
+    ({"summary = ": "auto = 0\nsummary = "}, "'auto' must be a bool"),
     ({'kind = "module_forward"': 'kind = "function"', 'modules = [': 'function = "rms_norm"\nmodules = [',
       "+names": 'names = ["q_norm"]\n'}, "'patch.names' narrows a module_forward patch only"),
 ])

@@ -52,6 +52,7 @@ def test_default_path_decodes_64_steps():
     ("rmsnorm", "wrong_kernels:stale_rmsnorm", "on its second run"),
     ("rope", "wrong_kernels:rope_wrong_way", "error"),
     ("decode_attention", "wrong_kernels:attention_drops_last", "error"),
+    ("decode_mlp", "wrong_kernels:mlp_drops_last_slice", "error"),
     ("rmsnorm", "wrong_kernels:raising_norm", "raised RuntimeError: out of shared memory"),
 ])
 def test_wrong_kernels_are_rolled_back_and_others_stay(tmp_path, base, fusion, why):

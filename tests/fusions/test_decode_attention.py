@@ -91,9 +91,9 @@ def test_attention_sinks_with_a_window(num_splits):
 @pytest.mark.usefixtures("poisoned_empty")
 @pytest.mark.parametrize("combine_in_split", ["1", "0"])
 def test_splits_merged_by_the_last_to_arrive_or_by_a_second_kernel(monkeypatch, combine_in_split):
-    """The last split of a head block to finish merges the splits, its arrival counter left at zero for the next
-    launch; with OPTIQ_COMBINE_IN_SPLIT=0 a second kernel merges them (20 rows: a block of 16 and a cut one). Both
-    give the float64 softmax, sinks, a window and an idle slot included, and the same bits at every call."""
+    """With OPTIQ_COMBINE_IN_SPLIT=1 the last split of a head block to finish merges the splits, its arrival counter
+    left at zero for the next launch; by default a second kernel merges them. Both give the float64 softmax, sinks,
+    a window and an idle slot included, and the same bits at every call."""
     monkeypatch.setenv("OPTIQ_COMBINE_IN_SPLIT", combine_in_split)
     q, k_cache, v_cache, lengths, out = check(seed=250, batch=5, num_q_heads=4, num_kv_heads=2, head_dim=16,
                                               max_len=80, lengths=[80, 0, 33, 1, 64], dtype=torch.float32,
