@@ -26,10 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from optiq.fusions.activation import activation_index, activation_reference, gated_activation
-from optiq.fusions.gate_up_swiglu import dot_accumulate, fp32_dot, gate_up_swiglu, interleave_gate_up, stream_dot
-from optiq.fusions.launch import (launch_options, multiprocessor_count, prefetch_options, prefetch_rows,
-                                 shared_memory_per_multiprocessor, wait_for_predecessor)
+from optiq.fusions.activation import activation_index, activation_reference
+from optiq.fusions.gate_up_swiglu import dot_accumulate, fp32_dot, gate_up_swiglu, gated_tile, interleave_gate_up
+from optiq.fusions.launch import launch_options, multiprocessor_count, prefetch_options, shared_memory_per_multiprocessor
 from optiq.fusions.linear import linear, rotating_copies
 
 FUSED_ROWS = 4  # rows up to which the MLP is one kernel (OPTIQ_MLP_FUSED_ROWS overrides it, 0 = never, to measure)
@@ -53,13 +52,9 @@ def _gated_mlp_kernel(
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     rows = tl.arange(0, BLOCK_M)
-    w_rows = pid * 2 * BLOCK_S + tl.arange(0, 2 * BLOCK_S)
-    prefetch_rows(w_gate_up_ptr, w_rows, 2 * I, H, stride_gn, stride_gk, PREFETCH_LINES, LINE)
-    wait_for_predecessor(USE_PDL)
-    acc = stream_dot(x_ptr, w_gate_up_ptr, rows, w_rows, M, 2 * I, H, stride_xm, stride_xk, stride_gn, stride_gk,
-                     BLOCK_M, 2 * BLOCK_S, BLOCK_K, FP32_DOT)
-    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_S, 2)))
-    act = (gated_activation(gate, ACTIVATION) * up).to(x_ptr.dtype.element_ty)  # down_proj's input, as HF rounds it
+    act = gated_tile(x_ptr, w_gate_up_ptr, rows, pid, M, I, H, stride_xm, stride_xk, stride_gn, stride_gk, BLOCK_M,
+                     BLOCK_S, BLOCK_K, FP32_DOT, ACTIVATION, USE_PDL, PREFETCH_LINES, LINE)
+    act = act.to(x_ptr.dtype.element_ty)  # down_proj's input, rounded as HF rounds it
 
     inner = pid * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, BLOCK_H)

@@ -12,7 +12,8 @@ from optiq.cli import cli
 from optiq.errors import OptiqError
 from optiq.catalog.recipes import load_catalog
 
-BUILTIN = {"decode_attention", "decode_mlp", "rmsnorm", "add_rmsnorm", "swiglu", "gate_up_swiglu", "qkv_proj", "rope", "greedy_sample",
+BUILTIN = {"decode_attention", "decode_mlp", "rmsnorm", "add_rmsnorm", "swiglu", "gate_up_swiglu", "qkv_proj", "rope",
+           "greedy_sample",
            "moe_experts", "mla_decode", "moe_router", "precision_flip", "attention_prologue", "decode_linear",
            "sandwich_norm", "hyper_connection", "grouped_linear", "trailing_rope", "indexer_scores", "compressor_pool"}
 

@@ -173,9 +173,8 @@ def test_the_whole_catalog_passes_on_the_mla_moe_preset():
     test, swiglu and gate_up_swiglu are decode_mlp's rivals, qkv_proj attention_prologue's; neither finds a site in
     MLA)."""
     model = load_model("tiny-deepseek-v2", torch.float32, torch.device("cpu"))
-    patches = apply(model, [r for r in load_catalog().values()
-                            if r.applies_to("deepseek_v2") and r.name not in ("precision_flip", "swiglu", "gate_up_swiglu",
-                                                                             "qkv_proj")])
+    rivals = ("precision_flip", "swiglu", "gate_up_swiglu", "qkv_proj")
+    patches = apply(model, [r for r in load_catalog().values() if r.applies_to("deepseek_v2") and r.name not in rivals])
     assert set(patches.applied) == {"rmsnorm", "add_rmsnorm", "mla_decode", "moe_router", "moe_experts",
                                     "decode_mlp", "decode_linear", "greedy_sample"}
     report = validate(patches, GatePlan(**FAST))
