@@ -28,7 +28,8 @@ import triton.language as tl
 
 from optiq.fusions.activation import activation_index, activation_reference
 from optiq.fusions.gate_up_swiglu import dot_accumulate, fp32_dot, gate_up_swiglu, gated_tile, interleave_gate_up
-from optiq.fusions.launch import launch_options, multiprocessor_count, prefetch_options, shared_memory_per_multiprocessor
+from optiq.fusions.launch import (launch_options, multiprocessor_count, prefetch_options,
+                                 shared_memory_per_multiprocessor)
 from optiq.fusions.linear import linear, rotating_copies
 
 FUSED_ROWS = 4  # rows up to which the MLP is one kernel (OPTIQ_MLP_FUSED_ROWS overrides it, 0 = never, to measure)
