@@ -26,11 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from optiq.fusions.activation import activation_index, activation_reference
-from optiq.fusions.gate_up_swiglu import dot_accumulate, fp32_dot, gate_up_swiglu, gated_tile, interleave_gate_up
+from optiq.fusions.activation import activation_index
+from optiq.fusions.gate_up_swiglu import (dot_accumulate, fp32_dot, gate_up_swiglu, gate_up_swiglu_reference,
+                                          gated_tile, interleave_gate_up)
 from optiq.fusions.launch import (launch_options, multiprocessor_count, prefetch_options,
                                  shared_memory_per_multiprocessor)
-from optiq.fusions.linear import linear, rotating_copies
+from optiq.fusions.linear import linear, linear_reference, rotating_copies
 
 FUSED_ROWS = 4  # rows up to which the MLP is one kernel (OPTIQ_MLP_FUSED_ROWS overrides it, 0 = never, to measure)
 BLOCK_H = 128  # output columns a partial tile and a reducer's share hold
@@ -186,8 +187,7 @@ def gated_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, bi
 def gated_mlp_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                         activation: str = "silu") -> torch.Tensor:
     """HF's LlamaMLP (GemmaMLP for gelu_tanh), in x's dtype."""
-    h = activation_reference(torch.nn.functional.linear(x, w_gate), activation)
-    return torch.nn.functional.linear(h * torch.nn.functional.linear(x, w_up), w_down)
+    return linear_reference(gate_up_swiglu_reference(x, w_gate, w_up, activation), w_down)
 
 
 MLPS = {  # (hidden, intermediate) of the presets' MLPs
