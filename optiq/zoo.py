@@ -120,13 +120,17 @@ def tiny_config(model_type: str):
         depth["attention_types"] = [[["global", "local"], LAYERS // 2]]
     default_types = list(config_value(default, "layer_types") or [])
     kinds = list(dict.fromkeys(default_types))
-    if "attn_layer_indices" in fields and kinds == ["linear_attention"]:
-        depth["attn_layer_indices"] = [LAYERS - 1]  # Bamba's default has no attention layer, which its code needs
+    if kinds == ["linear_attention"]:  # a default of state-space layers only (Bamba, GraniteMoeHybrid), which
+        if "attn_layer_indices" in fields:  # their code cannot run: it builds attention masks from the cache
+            depth["attn_layer_indices"] = [LAYERS - 1]
+        else:
+            kinds = ["linear_attention", "full_attention"]
     # One layer of each type where the config takes a list; where the types follow from offsets and periods
     # (Jamba), as many layers as it takes for each type to appear.
     listed = {**depth, "num_hidden_layers": max(LAYERS, len(kinds)), **({"layer_types": kinds} if len(kinds) > 1
                                                                          else {})}
-    patterned = {**depth, "num_hidden_layers": max([LAYERS] + [default_types.index(k) + 1 for k in kinds])}
+    patterned = {**depth, "num_hidden_layers": max([LAYERS] + [default_types.index(k) + 1 for k in kinds
+                                                               if k in default_types])}
     errors = []
     for shrunk in ({**widths, **listed}, {**widths, **patterned}, listed, patterned):
         try:
