@@ -130,11 +130,16 @@ def table(rows: list[dict], header: str) -> str:
         why = r["profile"]["why"] or apply.get("why", "") or decode.get("failed", "")
         if not why and decode.get("cache", "static") != "static":
             why = decode["cache"]
-        rolled = ", ".join(f"{n} ({reason[:60]})" if reason else n
+        rolled = ", ".join(f"{n} ({clip(reason, 60)})" if reason else n
                            for n, reason in apply.get("rolled_back", {}).items())
         lines.append(f"| {r['type']} | {cache} | {error} | {'yes' if r['profile']['ok'] else 'no'} | "
-                     f"{', '.join(apply.get('kept', [])) or '-'} | {rolled or '-'} | {why.replace('|', '/')[:160]} |")
+                     f"{', '.join(apply.get('kept', [])) or '-'} | {rolled or '-'} | {clip(why.replace('|', '/'), 160)} |")
     return "\n".join(lines) + "\n"
+
+
+def clip(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, cut at a word and marked as cut."""
+    return text if len(text) <= width else text[:width - 1].rsplit(" ", 1)[0] + "…"
 
 
 def main() -> None:
