@@ -92,10 +92,11 @@ def _probe_static(model: torch.nn.Module, config) -> tuple[str, list]:
         model(input_ids=tokens, use_cache=True, **positions, **{_cache_kwarg(model): cache})
     except Exception as exc:  # noqa: BLE001 - whatever the model's code raises on a cache it does not take
         return f"its forward does not take transformers' StaticCache ({type(exc).__name__}: {first_line(exc)})", []
-    if not any(getattr(layer, "is_initialized", False) for layer in cache.layers):
+    stored = [getattr(layer, "keys", None) is not None for layer in cache.layers]  # a dummy layer (Gemma-3n's
+    if not any(stored):  # layers that share another's keys) is initialised and stores nothing
         return "it keeps its state outside transformers' cache", []
-    return "", [(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1])
-                if getattr(layer, "is_initialized", False) else None for layer in cache.layers]
+    return "", [(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1]) if kept else None
+                for layer, kept in zip(cache.layers, stored)]
 
 
 def static_problem(model: torch.nn.Module) -> str:

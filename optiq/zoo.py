@@ -125,6 +125,9 @@ def tiny_config(model_type: str):
             depth["attn_layer_indices"] = [LAYERS - 1]
         else:
             kinds = ["linear_attention", "full_attention"]
+    if config_value(default, "num_kv_shared_layers"):  # Gemma-3n: the last layers reuse the keys and values of
+        kinds = kinds * 2  # the last earlier layer of their type, so each type needs a layer that shares and one
+        depth["num_kv_shared_layers"] = len(kinds) // 2  # that is shared
     # One layer of each type where the config takes a list; where the types follow from offsets and periods
     # (Jamba), as many layers as it takes for each type to appear.
     listed = {**depth, "num_hidden_layers": max(LAYERS, len(kinds)), **({"layer_types": kinds} if len(kinds) > 1

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from optiq.errors import OptiqError
 from optiq.zoo import decoder_only_text_types, tiny_config
@@ -56,3 +57,19 @@ def test_sweep_subset(tmp_path, model_type):
     else:
         assert row["decode"]["cache"].startswith("its own")
     assert f"| {model_type} |" in out.with_suffix(".md").read_text()
+
+
+def test_layers_sharing_keys_and_values_decode_on_a_static_cache():
+    """Gemma-3n's last layers read the keys and values of earlier ones (transformers gives them dummy cache layers,
+    initialised and empty): the engine's static cache stores nothing for them, and its decode is the model's."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from zoo_sweep import check_decode
+
+    from optiq.engine import static_layouts
+    from optiq.models import load_model
+
+    assert tiny_config("gemma3n_text").num_kv_shared_layers > 0
+    layouts = static_layouts(load_model("tiny:gemma3n_text", torch.float32, torch.device("cpu")))
+    assert None in layouts and any(layouts)
+    checked = check_decode("gemma3n_text")
+    assert checked["cache"] == "static" and checked["error"] < 1e-4, checked
