@@ -454,9 +454,27 @@ def constants_redrawn(model: torch.nn.Module, seed: int = SEED):
                 params[name].copy_(value)
 
 
+def free_bytes(device: torch.device) -> int:
+    """Bytes ``device`` can still allocate: the GPU's free memory, or the host's available memory (Linux's
+    MemAvailable: free pages and the caches it can drop)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def random_model(config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The model of ``config`` in eval mode on ``device``, with weights drawn from the fixed seed and none left
-    constant (``redraw_constants``), routing tables included (``draw_routing_tables``)."""
+    constant (``redraw_constants``), routing tables included (``draw_routing_tables``). A model whose weights
+    cannot fit in the memory ``device`` has free is a one-line error before anything is allocated, not the
+    kernel's out-of-memory kill."""
+    needed = parameters_on_meta(config) * dtype.itemsize
+    if needed > (free := free_bytes(device)):
+        raise OptiqError(f"{config.model_type}'s weights take {needed / 2**30:.1f} GiB in {str(dtype)[6:]}, more "
+                         f"than the {free / 2**30:.1f} GiB free on {device}")
     torch.manual_seed(SEED)
     try:
         with torch.device(device):

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, BertConfig, BertForMaskedLM, GPT2
 
 from optiq.cli import cli
 from optiq.errors import OptiqError
-from optiq.models import MAX_LAYERS, checkpoint_config, load_config, load_model
+from optiq.models import MAX_LAYERS, checkpoint_config, load_config, load_model, random_model
 
 TINY_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=16, vocab_size=128)
@@ -116,6 +116,15 @@ def test_a_config_that_is_no_regular_file_is_never_opened(llama_checkpoint, tmp_
 def test_a_checkpoint_without_weights_is_one_line(llama_checkpoint, tmp_path):
     (tmp_path / "config.json").write_bytes((llama_checkpoint / "config.json").read_bytes())
     refused(tmp_path, f"cannot load checkpoint {tmp_path}: ")
+
+
+def test_a_model_larger_than_free_memory_is_one_line_before_anything_is_allocated():
+    """~1 TB of weights (what a shrunken config whose validators reject the tiny widths can still describe): refused
+    from a count on the meta device, not killed by the kernel while drawing its weights."""
+    config = LlamaConfig(hidden_size=16384, intermediate_size=65536, num_hidden_layers=64, num_attention_heads=128,
+                         num_key_value_heads=8, vocab_size=256)
+    with pytest.raises(OptiqError, match=r"llama's weights take \d+\.\d GiB in float32, more than the .* free on cpu"):
+        random_model(config, torch.float32, torch.device("cpu"))
 
 
 def test_empty_model_spec_is_not_the_working_directory():
