@@ -115,7 +115,9 @@ def tiny_config(model_type: str):
     vocab = TINY["vocab_size"]
     depth = {"vocab_size": vocab, **{name: 0 for name in ("pad_token_id", "bos_token_id", "eos_token_id")
                                      if isinstance(config_value(default, name), int)
-                                     and config_value(default, name) >= vocab}}
+                                     and config_value(default, name) >= vocab},
+             **{name: vocab for name in fields if name.endswith("vocab_size")  # Inkling 2's unpadded_vocab_size:
+                and isinstance(config_value(default, name), int)}}  # its LM head's width
     if config_value(default, "attention_types"):  # GPT-Neo: [[pattern, repeats]] must cover the layers
         depth["attention_types"] = [[["global", "local"], LAYERS // 2]]
     default_types = list(config_value(default, "layer_types") or [])
