@@ -130,6 +130,11 @@ def tiny_config(model_type: str):
     if config_value(default, "num_kv_shared_layers"):  # Gemma-3n: the last layers reuse the keys and values of
         kinds = kinds * 2  # the last earlier layer of their type, so each type needs a layer that shares and one
         depth["num_kv_shared_layers"] = len(kinds) // 2  # that is shared
+    for name in sorted(fields):  # lists of layers by index (Zamba 2's hybrid_layer_ids): the shrunk layers of the
+        listed_ids = config_value(default, name)  # types the default's listed layers have
+        if name.endswith(("_layer_ids", "_layer_indices")) and isinstance(listed_ids, list) and default_types:
+            wanted = {default_types[i] for i in listed_ids if isinstance(i, int) and 0 <= i < len(default_types)}
+            depth[name] = [i for i, kind in enumerate(kinds) if kind in wanted]
     # One layer of each type where the config takes a list; where the types follow from offsets and periods
     # (Jamba), as many layers as it takes for each type to appear.
     listed = {**depth, "num_hidden_layers": max(LAYERS, len(kinds)), **({"layer_types": kinds} if len(kinds) > 1
