@@ -12,6 +12,7 @@ encoders that can also decode (they have a masked-LM head), nor wrappers around 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import transformers
 from transformers import CONFIG_MAPPING
@@ -135,6 +136,11 @@ def tiny_config(model_type: str):
         if name.endswith(("_layer_ids", "_layer_indices")) and isinstance(listed_ids, list) and default_types:
             wanted = {default_types[i] for i in listed_ids if isinstance(i, int) and 0 <= i < len(default_types)}
             depth[name] = [i for i, kind in enumerate(kinds) if kind in wanted]
+    sections = [name for name in fields if re.fullmatch(r"n(um)?_\w+_layers", name) and name != "num_hidden_layers"
+                and isinstance(config_value(default, name), int)]
+    if len(sections) > 1 and sum(getattr(default, name) for name in sections) == default.num_hidden_layers:
+        depth.update(dict.fromkeys(sections, 1))  # the stack in sections (Dory's input, looped, output layers):
+        kinds = [kinds[i % len(kinds)] for i in range(len(sections))] if kinds else kinds  # one layer each
     # One layer of each type where the config takes a list; where the types follow from offsets and periods
     # (Jamba), as many layers as it takes for each type to appear.
     listed = {**depth, "num_hidden_layers": max(LAYERS, len(kinds)), **({"layer_types": kinds} if len(kinds) > 1
