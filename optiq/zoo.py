@@ -29,7 +29,7 @@ TINY = {
     "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
     "n_group": 1, "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_nope_head_dim": 16,
     "qk_rope_head_dim": 8, "v_head_dim": 16, "sliding_window": 32, "attention_chunk_size": 32,
-    "max_position_embeddings": 2048, "first_k_dense_replace": 1,
+    "max_position_embeddings": 2048, "first_k_dense_replace": 1, "index_num_heads": 2,
 }
 LAYERS = 2
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention",  # configs' names
