@@ -5,11 +5,8 @@ out as HF transformers' StaticCache keeps it. Each program reads one block of ON
 all of that head's query heads together, so no repeat_kv copy exists and each KV byte is read once per step.
 The KV axis is cut into splits (count chosen from shapes only, so the op never syncs with the host and can be
 captured in a CUDA graph); each split writes a partial output and its log-sum-exp, and a second kernel merges
-the splits with those weights. With OPTIQ_COMBINE_IN_SPLIT=1 the last split of a head block to finish merges them
-instead (an arrival counter per head block), the same per-row code whichever split that is: one kernel a layer
-fewer, not yet timed on a GPU against the second kernel's launch (BENCHMARKS.md, session 28), so off by default.
-Where the batch alone fills the GPU (one split) the split kernel writes the output itself, and there is no second
-kernel.
+the splits with those weights. Where the batch alone fills the GPU (one split) the split kernel writes the output
+itself, and there is no second kernel.
 
 Layouts:
   q        [B, Hq, 1, D]      (HF's query_states after transpose(1, 2); any strides with a unit last stride)
@@ -40,7 +37,6 @@ import triton.language as tl
 
 from optiq.fusions.launch import (launch_options, multiprocessor_count, prefetch_options, prefetch_rows,
                                  wait_for_predecessor)
-from optiq.fusions.linear import arrival_counters
 
 LOG2E = 1.4426950408889634
 
@@ -94,24 +90,22 @@ def split_result(running_max, running_sum, acc):
 @triton.jit
 def _decode_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, starts_ptr, visible_ptr, sinks_ptr, partial_out_ptr, partial_lse_ptr,
-    out_ptr, arrivals_ptr, scale_log2e, softcap_log2e,
+    scale_log2e, softcap_log2e,
     q_stride_b, q_stride_h,
     k_stride_b, k_stride_h, k_stride_n,
     v_stride_b, v_stride_h, v_stride_n, visible_stride_b,
     num_kv_heads, group_size, head_blocks, head_dim, split_len, num_splits,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_STARTS: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_VISIBLE: tl.constexpr, SHARED_KV: tl.constexpr, HAS_SINKS: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    COMBINE_HERE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     """One (sequence, kv head, block of its query heads, split): online softmax over the split's valid positions.
 
     Writes the split's normalised output and its log2-sum-exp2 (-inf when the split holds no position the
     sequence sees: the combine then gives it zero weight). With ONE_SPLIT the split is the whole softmax: the
     output itself is written (into ``partial_out_ptr``, in the output's dtype, the sinks' share taken out here), and
-    no combine runs. With COMBINE_HERE the last split of a (sequence, kv head, head block) to arrive (a counter per
-    program of axis 0, left at zero) merges the splits' partials into the block's output rows one by one
-    (``combine_row``), and no combine kernel runs either.
+    no combine runs.
 
     Before waiting for its predecessor (which writes the step's new position, and perhaps the lengths), a program
     asks L2 for its first tile of cached keys and values, as far as the lengths it reads then say: a prefetch only,
@@ -184,50 +178,6 @@ def _decode_attention_split_kernel(
         partial_out_ptr + partial_rows[:, None] * head_dim + cols[None, :], out,
         mask=row_mask[:, None] & col_mask[None, :],
     )
-    if COMBINE_HERE:
-        tl.debug_barrier()  # every thread's partial is written before the arrival that publishes them
-        if tl.atomic_add(arrivals_ptr + pid_bh, 1, sem="acq_rel") == num_splits - 1:
-            first = head_block * BLOCK_G
-            for g in range(first, tl.minimum(first + BLOCK_G, group_size)):
-                q_head = kv_head * group_size + g
-                combine_row(partial_out_ptr, partial_lse_ptr, sinks_ptr, out_ptr,
-                            batch * num_kv_heads * group_size + q_head, q_head, head_dim, num_splits,
-                            BLOCK_S, BLOCK_D, HAS_SINKS)
-            tl.atomic_xchg(arrivals_ptr + pid_bh, 0)
-
-
-@triton.jit
-def combine_row(partial_out_ptr, partial_lse_ptr, sinks_ptr, out_ptr, row, q_head, head_dim, num_splits,
-                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """Output row ``row`` (a sequence's query head ``q_head``): each split's output weighted by exp2(lse - max lse),
-    empty splits weighing zero; every split in one load.
-
-    A sink adds its exp2 to the denominator only (it has no value), pivoted with the splits' max. The partials are
-    read from L2 (``.cg``): in the split kernel, other programs wrote them during the same launch."""
-    splits = tl.arange(0, BLOCK_S)
-    cols = tl.arange(0, BLOCK_D)
-    split_mask = splits < num_splits
-    col_mask = cols < head_dim
-
-    lse = tl.load(partial_lse_ptr + row * num_splits + splits, mask=split_mask, other=float("-inf"),
-                  cache_modifier=".cg")
-    max_lse = tl.max(lse, axis=0)
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + q_head).to(tl.float32) * 1.4426950408889634
-        max_lse = tl.maximum(max_lse, sink)
-    # a finite pivot even when every split is empty (length 0): exp2(-inf - pivot) is then a clean 0
-    pivot = tl.where(max_lse > float("-inf"), max_lse, 0.0)
-    weights = tl.exp2(lse - pivot)
-    partial = tl.load(
-        partial_out_ptr + (row * num_splits + splits)[:, None] * head_dim + cols[None, :],
-        mask=split_mask[:, None] & col_mask[None, :], other=0.0, cache_modifier=".cg",
-    )
-    total = tl.sum(weights, axis=0)
-    if HAS_SINKS:
-        total += tl.exp2(sink - pivot)
-    total = tl.maximum(total, 1e-30)
-    out = tl.sum(partial * weights[:, None], axis=0) / total
-    tl.store(out_ptr + row * head_dim + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -236,12 +186,34 @@ def _decode_attention_combine_kernel(
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One (sequence, query head) from its splits' partials (``combine_row``): the second kernel, where the split
-    kernel does not merge them itself."""
+    """One (sequence, query head): weight each split's output by exp2(lse - max lse); empty splits weigh zero.
+
+    A sink adds its exp2 to the denominator only (it has no value), pivoted with the splits' max."""
     wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    combine_row(partial_out_ptr, partial_lse_ptr, sinks_ptr, out_ptr, row, row % num_q_heads, head_dim, num_splits,
-                BLOCK_S, BLOCK_D, HAS_SINKS)
+    splits = tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, BLOCK_D)
+    split_mask = splits < num_splits
+    col_mask = cols < head_dim
+
+    lse = tl.load(partial_lse_ptr + row * num_splits + splits, mask=split_mask, other=float("-inf"))
+    max_lse = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + row % num_q_heads).to(tl.float32) * 1.4426950408889634
+        max_lse = tl.maximum(max_lse, sink)
+    # a finite pivot even when every split is empty (length 0): exp2(-inf - pivot) is then a clean 0
+    pivot = tl.where(max_lse > float("-inf"), max_lse, 0.0)
+    weights = tl.exp2(lse - pivot)
+    partial = tl.load(
+        partial_out_ptr + (row * num_splits + splits)[:, None] * head_dim + cols[None, :],
+        mask=split_mask[:, None] & col_mask[None, :], other=0.0,
+    )
+    total = tl.sum(weights, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - pivot)
+    total = tl.maximum(total, 1e-30)
+    out = tl.sum(partial * weights[:, None], axis=0) / total
+    tl.store(out_ptr + row * head_dim + cols, out, mask=col_mask)
 
 
 TILE_GRID = [dict(BLOCK_N=n, SPLITS=splits, num_warps=w, num_stages=st)  # what scripts/tiles.py times
@@ -281,10 +253,10 @@ def split_layout(max_len: int, block_n: int, splits: int) -> tuple[int, int]:
     return blocks_per_split * block_n, triton.cdiv(num_blocks, blocks_per_split)
 
 
-@torch.library.triton_op("optiq::decode_attention", mutates_args={"arrivals"})
+@torch.library.triton_op("optiq::decode_attention", mutates_args=())
 def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, lengths: torch.Tensor,
-                         arrivals: torch.Tensor, scale: float, num_splits: int | None = None,
-                         starts: torch.Tensor | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                         scale: float, num_splits: int | None = None, starts: torch.Tensor | None = None,
+                         softcap: float = 0.0, sinks: torch.Tensor | None = None,
                          visible: torch.Tensor | None = None) -> torch.Tensor:
     batch, num_q_heads, q_len, head_dim = q.shape
     _, num_kv_heads, max_len, _ = k_cache.shape
@@ -312,26 +284,23 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                                         dtype=torch.float32)
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    programs = batch * num_kv_heads * head_blocks
-    combine_here = (not one_split and programs <= arrivals.numel()
-                    and os.environ.get("OPTIQ_COMBINE_IN_SPLIT", "0") == "1")  # the knob: to measure what it buys
     launch = launch_options(q)
-    torch.library.wrap_triton(_decode_attention_split_kernel)[(programs, splits)](
+    torch.library.wrap_triton(_decode_attention_split_kernel)[(batch * num_kv_heads * head_blocks, splits)](
         q, k_cache, v_cache, lengths, lengths if starts is None else starts, lengths if visible is None else visible,
-        lengths if sinks is None else sinks, partial_out, partial_lse, out, arrivals,
+        lengths if sinks is None else sinks, partial_out, partial_lse,
         scale * LOG2E, softcap * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 0 if visible is None else visible.stride(0),
         num_kv_heads, group_size, head_blocks, head_dim, split_len, splits,
-        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST_DOT=interpreted, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_STARTS=starts is not None, SOFTCAP=softcap > 0, HAS_VISIBLE=visible is not None, SHARED_KV=shared_kv,
-        HAS_SINKS=sinks is not None, ONE_SPLIT=one_split, COMBINE_HERE=combine_here,
+        HAS_SINKS=sinks is not None, ONE_SPLIT=one_split,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **launch,
         **prefetch_options(launch, block_n, head_dim, k_cache.element_size()),
     )
-    if one_split or combine_here:
+    if one_split:
         return out
     torch.library.wrap_triton(_decode_attention_combine_kernel)[(batch * num_q_heads,)](
         partial_out, partial_lse, partial_lse if sinks is None else sinks, out, head_dim, splits, num_q_heads,
@@ -352,9 +321,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     the shape-based choice of KV splits (for tests and tuning). Values that are the keys' tensor (DeepSeek-V4) are
     read once.
     """
-    return torch.ops.optiq.decode_attention(q, k_cache, None if v_cache is k_cache else v_cache, lengths,
-                                            arrival_counters(q.device), scale, num_splits, starts, softcap, sinks,
-                                            visible)
+    return torch.ops.optiq.decode_attention(q, k_cache, None if v_cache is k_cache else v_cache, lengths, scale,
+                                            num_splits, starts, softcap, sinks, visible)
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -61,22 +61,6 @@ def fp32_dot(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def gated_tile(x_ptr, w_ptr, rows, tile, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
-               ACTIVATION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
-    """act(gate) * up [BLOCK_M, BLOCK_N] in fp32, for intermediate columns [tile BLOCK_N, (tile + 1) BLOCK_N) of
-    ``rows``: the start of their 2 BLOCK_N interleaved weight rows asked of L2, the predecessor waited for, then the
-    rows streamed over all of K."""
-    w_rows = tile * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-    prefetch_rows(w_ptr, w_rows, 2 * N, K, stride_wn, stride_wk, PREFETCH_LINES, LINE)
-    wait_for_predecessor(USE_PDL)
-    acc = stream_dot(x_ptr, w_ptr, rows, w_rows, M, 2 * N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                     BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP32_DOT)
-    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    return gated_activation(gate, ACTIVATION) * up
-
-
-@triton.jit
 def _gate_up_gemm_swiglu_kernel(
     x_ptr, w_ptr, out_ptr,
     M, N, K,
@@ -92,8 +76,13 @@ def _gate_up_gemm_swiglu_kernel(
     pid_m = tl.program_id(0) % num_m_tiles
     pid_n = tl.program_id(0) // num_m_tiles
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    out = gated_tile(x_ptr, w_ptr, rows, pid_n, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N,
-                     BLOCK_K, FP32_DOT, ACTIVATION, USE_PDL, PREFETCH_LINES, LINE)
+    w_rows = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+    prefetch_rows(w_ptr, w_rows, 2 * N, K, stride_wn, stride_wk, PREFETCH_LINES, LINE)
+    wait_for_predecessor(USE_PDL)
+    acc = stream_dot(x_ptr, w_ptr, rows, w_rows, M, 2 * N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                     BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP32_DOT)
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    out = gated_activation(gate, ACTIVATION) * up
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))

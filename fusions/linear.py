@@ -236,35 +236,28 @@ GROUPED_PROJECTIONS = {  # (K, N of a group, groups) of the grouped decode GEMMs
 }
 
 
-def rotating_copies(weights: tuple[torch.Tensor, ...], l2_bytes: int):
-    """A function that returns the next of enough copies of ``weights`` to fill an L2 of ``l2_bytes`` four times
-    over, so that each call of a benchmarked kernel reads its weights from HBM, as a decode step reads a layer's."""
-    nbytes = sum(w.nbytes for w in weights)
-    copies = [weights] + [tuple(w.clone() for w in weights) for _ in range(-(-4 * l2_bytes // nbytes) - 1)]
-    turn = [0]
-
-    def next_copy() -> tuple[torch.Tensor, ...]:
-        turn[0] = (turn[0] + 1) % len(copies)
-        return copies[turn[0]]
-
-    return next_copy
-
-
 def benchmark_case(rows: int, dtype: torch.dtype, device, *, l2_bytes: int = 50 * 2**20) -> dict:
     """The presets' projections at ``rows`` decode tokens, each call reading its weight from HBM as a decode step
-    does (``rotating_copies``). Not compiled: torch.compile of one F.linear is the same cuBLAS call."""
+    does (a layer's weights are read once per step): successive calls take successive copies of the weight, enough
+    of them to fill the L2 four times over. Not compiled: torch.compile of one F.linear is the same cuBLAS call."""
     gen = torch.Generator(device=device).manual_seed(rows)
     cases = {}
     shapes = {**{label: (k, n, 1) for label, (k, n) in PROJECTIONS.items()}, **GROUPED_PROJECTIONS}
     for label, (k, n, groups) in shapes.items():
         x = torch.randn(rows, *((groups,) if groups > 1 else ()), k, generator=gen, device=device, dtype=dtype)
         weight = torch.randn(groups * n, k, generator=gen, device=device, dtype=dtype) / k**0.5
-        next_copy = rotating_copies((weight,), l2_bytes)
+        copies = [weight] + [weight.clone() for _ in range(-(-4 * l2_bytes // weight.nbytes) - 1)]
+        turn = [0]
+
+        def next_copy(copies=copies, turn=turn) -> torch.Tensor:
+            turn[0] = (turn[0] + 1) % len(copies)
+            return copies[turn[0]]
+
         cases[f"linear {label}"] = {
-            "fused": (lambda x=x, copy=next_copy, groups=groups: grouped_linear(x, copy()[0], groups)) if groups > 1
-            else (lambda x=x, copy=next_copy: linear(x, copy()[0])),
-            "eager": (lambda x=x, copy=next_copy, groups=groups: grouped_linear_reference(x, copy()[0], groups))
-            if groups > 1 else (lambda x=x, copy=next_copy: linear_reference(x, copy()[0])),
+            "fused": (lambda x=x, copy=next_copy, groups=groups: grouped_linear(x, copy(), groups)) if groups > 1
+            else (lambda x=x, copy=next_copy: linear(x, copy())),
+            "eager": (lambda x=x, copy=next_copy, groups=groups: grouped_linear_reference(x, copy(), groups))
+            if groups > 1 else (lambda x=x, copy=next_copy: linear_reference(x, copy())),
             "compile": False,
             "bytes": (rows * groups * k + groups * n * k + rows * groups * n) * dtype.itemsize,
             "flops": 2 * rows * groups * k * n,

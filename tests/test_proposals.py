@@ -35,18 +35,6 @@ def test_decode_attention_first_for_llama_at_c64(catalog):
     assert "swiglu" not in names  # it patches the MLP that gate_up_swiglu, ranked higher, already patches
 
 
-def test_a_recipe_kept_out_of_auto_is_never_proposed(catalog):
-    """decode_mlp (auto = false, not yet timed on a GPU) covers what gate_up_swiglu covers and comes first in the
-    catalog, yet gate_up_swiglu is the proposal; with auto on, decode_mlp would have taken its place."""
-    assert not catalog["decode_mlp"].auto and all(r.auto for n, r in catalog.items() if n != "decode_mlp")
-    kernels = _kernels("llama-3.1-8b_eager_C64.json.gz")
-    names = [p.recipe for p in propose(catalog, kernels, "llama")]
-    assert "gate_up_swiglu" in names and "decode_mlp" not in names
-    opened = {**catalog, "decode_mlp": dataclasses.replace(catalog["decode_mlp"], auto=True)}
-    names = [p.recipe for p in propose(opened, kernels, "llama")]
-    assert "decode_mlp" in names and "gate_up_swiglu" not in names
-
-
 def test_graph_trace_aligned_gives_the_same_first_proposal(catalog):
     from optiq.traces.attribution import align_graph_with_eager
 

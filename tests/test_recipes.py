@@ -12,8 +12,7 @@ from optiq.cli import cli
 from optiq.errors import OptiqError
 from optiq.catalog.recipes import load_catalog
 
-BUILTIN = {"decode_attention", "decode_mlp", "rmsnorm", "add_rmsnorm", "swiglu", "gate_up_swiglu", "qkv_proj", "rope",
-           "greedy_sample",
+BUILTIN = {"decode_attention", "rmsnorm", "add_rmsnorm", "swiglu", "gate_up_swiglu", "qkv_proj", "rope", "greedy_sample",
            "moe_experts", "mla_decode", "moe_router", "precision_flip", "attention_prologue", "decode_linear",
            "sandwich_norm", "hyper_connection", "grouped_linear", "trailing_rope", "indexer_scores", "compressor_pool"}
 
@@ -49,7 +48,6 @@ def _user_recipe(tmp_path, name="my_norm", **replace):
     ({"kernels_saved_per_layer = 14": 'kernels_saved_per_layer = "many"'}, "'fixes.kernels_saved_per_layer' must be"),
     ({"[patch]": "[patch"}, "not valid TOML"),
     ({"+names": "names = \"q_norm\"\n"}, "'patch.names' must be a list of strings"),
-    ({"summary = ": "auto = 0\nsummary = "}, "'auto' must be a bool"),
     ({'kind = "module_forward"': 'kind = "function"', 'modules = [': 'function = "rms_norm"\nmodules = [',
       "+names": 'names = ["q_norm"]\n'}, "'patch.names' narrows a module_forward patch only"),
 ])

@@ -17,10 +17,8 @@ from wrong_kernels import user_recipe
 FAST = {"concurrencies": (1, 2), "steps": 3, "prompt_len": 5}
 
 
-@pytest.mark.parametrize("left_out", [{"gate_up_swiglu", "decode_mlp", "attention_prologue", "precision_flip"},
-                                      {"swiglu", "decode_mlp", "qkv_proj", "moe_router"},
-                                      {"swiglu", "gate_up_swiglu", "qkv_proj", "precision_flip"}],
-                         ids=["qkv_proj", "attention_prologue", "decode_mlp"])
+@pytest.mark.parametrize("left_out", [{"gate_up_swiglu", "attention_prologue", "precision_flip"},
+                                      {"swiglu", "qkv_proj", "moe_router"}], ids=["qkv_proj", "attention_prologue"])
 def test_builtin_recipes_pass(tiny_model, left_out):
     """Every recipe that applies, at once (of two that patch the same place, one per case)."""
     catalog = load_catalog()
@@ -52,7 +50,6 @@ def test_default_path_decodes_64_steps():
     ("rmsnorm", "wrong_kernels:stale_rmsnorm", "on its second run"),
     ("rope", "wrong_kernels:rope_wrong_way", "error"),
     ("decode_attention", "wrong_kernels:attention_drops_last", "error"),
-    ("decode_mlp", "wrong_kernels:mlp_drops_last_slice", "error"),
     ("rmsnorm", "wrong_kernels:raising_norm", "raised RuntimeError: out of shared memory"),
 ])
 def test_wrong_kernels_are_rolled_back_and_others_stay(tmp_path, base, fusion, why):
@@ -169,14 +166,13 @@ def test_moe_and_mla_recipes_pass_and_their_wrong_kernels_are_rolled_back(tmp_pa
 
 def test_the_whole_catalog_passes_on_the_mla_moe_preset():
     """Every recipe that applies to DeepSeek-V2 at once: norms, MLA decode, router, experts, the dense and shared
-    experts' gated MLPs as one kernel each, o_proj, sampling (the router's lossy rival precision_flip has its own
-    test, swiglu and gate_up_swiglu are decode_mlp's rivals, qkv_proj attention_prologue's; neither finds a site in
-    MLA)."""
+    experts' gated MLPs, o_proj, sampling (the router's lossy rival precision_flip has its own test, swiglu is
+    gate_up_swiglu's rival, qkv_proj attention_prologue's; neither finds a site in MLA)."""
     model = load_model("tiny-deepseek-v2", torch.float32, torch.device("cpu"))
-    rivals = ("precision_flip", "swiglu", "gate_up_swiglu", "qkv_proj")
-    patches = apply(model, [r for r in load_catalog().values() if r.applies_to("deepseek_v2") and r.name not in rivals])
+    patches = apply(model, [r for r in load_catalog().values()
+                            if r.applies_to("deepseek_v2") and r.name not in ("precision_flip", "swiglu", "qkv_proj")])
     assert set(patches.applied) == {"rmsnorm", "add_rmsnorm", "mla_decode", "moe_router", "moe_experts",
-                                    "decode_mlp", "decode_linear", "greedy_sample"}
+                                    "gate_up_swiglu", "decode_linear", "greedy_sample"}
     report = validate(patches, GatePlan(**FAST))
     assert report.passed and not report.rolled_back, report
     unpatch(model)

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from optiq.decode_caches.deepseek_v4 import window_slots
-from optiq.fusions.activation import activation_reference
 from optiq.fusions.attention_prologue import attention_prologue
 from optiq.fusions.decode_attention import decode_attention_reference
 from optiq.fusions.greedy_sample import greedy_sample_reference
@@ -149,16 +148,6 @@ def gate_up_swapped(x, w_gate_up, activation="silu"):
     """The gate/up GEMM that reads the interleaved rows the other way round: act(up) * gate."""
     gate, up = (torch.nn.functional.linear(x, w_gate_up[i::2]) for i in (0, 1))
     return swiglu_reference(torch.cat((up, gate), dim=-1), activation)
-
-
-def mlp_drops_last_slice(x, w_gate_up, w_down, bias=None, residual=None, activation="silu"):
-    """A one-kernel MLP whose reducers add every program's partial but the last one's (they stop waiting one arrival
-    early): the last eighth of the intermediate never reaches the down projection."""
-    gate, up = (torch.nn.functional.linear(x, w_gate_up[i::2]) for i in (0, 1))
-    h = activation_reference(gate, activation) * up
-    h[..., -(h.shape[-1] // 8):] = 0
-    out = torch.nn.functional.linear(h, w_down, bias)
-    return out if residual is None else out + residual
 
 
 def swiglu_always_silu(gate_up, out=None, activation="silu"):

@@ -34,7 +34,7 @@ def with_sites(catalog: dict[str, Recipe], model: torch.nn.Module) -> dict[str, 
 def propose(catalog: dict[str, Recipe], kernels: pd.DataFrame, model_type: str | None) -> list[Proposal]:
     """Rank the recipes applicable to ``model_type`` (None: a foreign trace, all of them) against ``kernels``, the
     per-step weighted kernel table (``optiq.traces.attribution.weighted_kernels``); given a model, ``catalog`` is
-    ``with_sites`` of it. A recipe with ``auto = false`` is never proposed (it runs only when named).
+    ``with_sites`` of it.
 
     Greedy, largest first: each kernel counts for one recipe only, so the proposals' savings add up, and a recipe
     that patches a place an earlier proposal patches is dropped."""
@@ -42,7 +42,7 @@ def propose(catalog: dict[str, Recipe], kernels: pd.DataFrame, model_type: str |
     total_us = float(time_us.sum())
     has_roles = bool((kernels["role"] != NO_ROLE).any())
     candidates = {name: recipe for name, recipe in catalog.items()
-                  if recipe.auto and (model_type is None or recipe.applies_to(model_type))}
+                  if model_type is None or recipe.applies_to(model_type)}
     unclaimed = pd.Series(True, index=kernels.index)
     taken: set[tuple] = set()
     proposals = []

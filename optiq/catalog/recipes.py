@@ -46,7 +46,7 @@ MAX_RECIPE_FILES = 1000  # in one directory: a catalog is a few dozen, and each 
 # Every key a recipe file may hold, per table: [patch] takes the target field of any kind (which one is checked with
 # the kind).
 KNOWN_KEYS = {
-    "": {"name", "summary", "fusion", "tolerance", "architectures", "exclude", "replaces", "auto", "fixes", "patch"},
+    "": {"name", "summary", "fusion", "tolerance", "architectures", "exclude", "replaces", "fixes", "patch"},
     "fixes.": {"roles", "op_classes", "aten_ops", "kernels_saved_per_layer"},
     "patch.": {"kind", "with", "names", "structure", *(kind.target_field for kind in KINDS.values())},
 }
@@ -70,7 +70,6 @@ class Recipe:
     patch_structure: str = ""  # module_forward only: the instances that compute this (optiq.patching.structure)
     excluded: tuple[str, ...] = ()  # model types it is never tried on, though ``architectures`` is "*"
     replaces: str = ""  # a user recipe only: the built-in recipe it takes the place of
-    auto: bool = True  # whether --recipes auto may propose it; false: only when named (not yet measured on a GPU)
 
     def applies_to(self, model_type: str) -> bool:
         return ("*" in self.architectures or model_type in self.architectures) and model_type not in self.excluded
@@ -106,7 +105,7 @@ def _field(path: Path, table: dict, key: str, kind, where: str = ""):
         for item in value:
             _one_line(path, item, where + key)
         return tuple(value)
-    if (kind is bool) != isinstance(value, bool) or not isinstance(value, kind):
+    if not isinstance(value, kind) or isinstance(value, bool):
         raise OptiqError(f"{path}: recipe field '{where}{key}' must be a {kind.__name__}, not {_shown(value)}")
     if kind is str:
         _one_line(path, value, where + key)
@@ -219,7 +218,6 @@ def parse_recipe(path: Path | Traversable) -> Recipe:
         raise OptiqError(f"{path}: recipe field 'architectures' is empty (leave it out for every architecture)")
     excluded = _field(path, data, "exclude", list) if "exclude" in data else ()
     replaces = _recipe_name(path, _field(path, data, "replaces", str), "replaces") if "replaces" in data else ""
-    auto = _field(path, data, "auto", bool) if "auto" in data else True
     return Recipe(
         name=_recipe_name(path, _field(path, data, "name", str), "name"), summary=_field(path, data, "summary", str),
         fusion=_import_path(path, _field(path, data, "fusion", str), "fusion"), architectures=architectures,
@@ -227,7 +225,7 @@ def parse_recipe(path: Path | Traversable) -> Recipe:
         aten_ops=_field(path, fixes, "aten_ops", list, "fixes."), kernels_saved_per_layer=saved, patch_kind=kind,
         patch_target=target if isinstance(target, tuple) else (target,),
         patch_with=_import_path(path, _field(path, patch, "with", str, "patch."), "patch.with"), path=str(path),
-        patch_names=names, patch_structure=structure, excluded=tuple(excluded), replaces=replaces, auto=auto)
+        patch_names=names, patch_structure=structure, excluded=tuple(excluded), replaces=replaces)
 
 
 def load_catalog(extra_dirs: list[str] | tuple[str, ...] = ()) -> dict[str, Recipe]:

@@ -40,12 +40,10 @@ def recipes(ctx, recipes_dir, wide, as_json):
 
 
 def _where(recipe) -> str:
-    """The model types a recipe is tried on, and whether --recipes auto may choose it, as a person reads them."""
+    """The model types a recipe is tried on, as a person reads them."""
     if "*" not in recipe.architectures:
-        where = ", ".join(recipe.architectures)
-    else:
-        where = "every model" + (f" but {', '.join(recipe.excluded)}" if recipe.excluded else "")
-    return where if recipe.auto else f"{where}, when named (never by --recipes auto)"
+        return ", ".join(recipe.architectures)
+    return "every model" + (f" but {', '.join(recipe.excluded)}" if recipe.excluded else "")
 
 
 @recipes.command()

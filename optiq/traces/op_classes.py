@@ -173,8 +173,8 @@ def _aten_base(name: str) -> str | None:
 
 
 # optiq's own fused ops, by what dominates their time (gate_up_swiglu is a GEMM with SwiGLU in its epilogue).
-_OPTIQ_OPS = {"decode_attention": "attention", "gate_up_swiglu": "gemm", "gated_mlp": "gemm", "qkv_proj": "gemm",
-              "rmsnorm": "norm", "add_rmsnorm": "norm", "rope": "rope", "rope_cached": "rope", "trailing_rope": "rope",
+_OPTIQ_OPS = {"decode_attention": "attention", "gate_up_swiglu": "gemm", "qkv_proj": "gemm", "rmsnorm": "norm",
+              "add_rmsnorm": "norm", "rope": "rope", "rope_cached": "rope", "trailing_rope": "rope",
               "swiglu": "activation", "greedy_sample": "sampling", "moe_experts": "grouped_gemm",
               "mla_decode": "attention", "moe_route": "routing", "moe_route_gemm": "routing"}
 

@@ -9,7 +9,6 @@ import torch
 
 from optiq.fusions.decode_attention import (ATTENTION_SHAPES, benchmark_case, decode_attention,
                                             decode_attention_reference)
-from optiq.fusions.linear import arrival_counters
 from kernel_testing import CUDA, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -86,23 +85,6 @@ def test_attention_sinks_with_a_window(num_splits):
                             max_len=64, lengths=[64, 0, 21], dtype=torch.float32, device=SMALL_DEVICE,
                             num_splits=num_splits, window=12, sinks=random_sinks(num_splits, 8, SMALL_DEVICE))
     assert (out[1] == 0).all()
-
-
-@pytest.mark.usefixtures("poisoned_empty")
-@pytest.mark.parametrize("combine_in_split", ["1", "0"])
-def test_splits_merged_by_the_last_to_arrive_or_by_a_second_kernel(monkeypatch, combine_in_split):
-    """With OPTIQ_COMBINE_IN_SPLIT=1 the last split of a head block to finish merges the splits, its arrival counter
-    left at zero for the next launch; by default a second kernel merges them. Both give the float64 softmax, sinks,
-    a window and an idle slot included, and the same bits at every call."""
-    monkeypatch.setenv("OPTIQ_COMBINE_IN_SPLIT", combine_in_split)
-    q, k_cache, v_cache, lengths, out = check(seed=250, batch=5, num_q_heads=4, num_kv_heads=2, head_dim=16,
-                                              max_len=80, lengths=[80, 0, 33, 1, 64], dtype=torch.float32,
-                                              device=SMALL_DEVICE, num_splits=3, window=40,
-                                              sinks=random_sinks(7, 4, SMALL_DEVICE))
-    assert (out[1] == 0).all() and not arrival_counters(q.device).any()
-    again = decode_attention(q, k_cache, v_cache, lengths, 0.25, 3, starts=window_starts(lengths, 40),
-                             sinks=random_sinks(7, 4, SMALL_DEVICE))
-    assert torch.equal(again, out)
 
 
 def test_each_variant_changes_the_result():

@@ -1,6 +1,6 @@
 """Gated MLPs (``structure.gated_mlp``: down(act(gate(x)) * up(x)), gate and up apart or fused) through one GEMM
-for gate and up plus a fused SwiGLU, or through one fusion for all of it; every forward takes ``residual=``
-(optiq.patching.replacements.plus_residual) and adds it after the down projection, in its kernel where it can."""
+for gate and up plus a fused SwiGLU; both forwards take ``residual=`` (optiq.patching.replacements.plus_residual)
+and hand it to the down projection."""
 
 from __future__ import annotations
 
@@ -33,37 +33,19 @@ def swiglu_forward(mlp: torch.nn.Module, fusion):
     return forward
 
 
-def _interleaved_gate_up(mlp: torch.nn.Module, site: GatedMlpSite) -> torch.Tensor:
-    """The gate and up weights row-interleaved (row 2j is gate row j, row 2j + 1 is up row j), the layout of the
-    fusions that compute both in one GEMM; built once, at patch time."""
-    if site.gate_up_biases(mlp) is not None:
-        raise ValueError(f"{type(mlp).__name__} has gate/up biases; the fused gate/up GEMM has none")
-    gate, up = site.gate_up_weights(mlp)
-    return torch.stack((gate, up), dim=1).reshape(2 * gate.shape[0], gate.shape[1]).detach().contiguous()
-
-
 def gate_up_swiglu_forward(mlp: torch.nn.Module, fusion):
-    """The fused gate/up GEMM with SwiGLU in its epilogue, then down_proj."""
+    """The fused gate/up GEMM with SwiGLU in its epilogue, then down_proj.
+
+    The fusion's weight layout is row-interleaved: row 2j is gate row j, row 2j + 1 is up row j (built here, once)."""
     site = _site(mlp)
-    weight = _interleaved_gate_up(mlp, site)
+    if site.gate_up_biases(mlp) is not None:
+        raise ValueError(f"{type(mlp).__name__} has biases; the gate/up GEMM fusion has none")
+    gate, up = site.gate_up_weights(mlp)
+    weight = torch.stack((gate, up), dim=1).reshape(2 * gate.shape[0], gate.shape[1]).detach().contiguous()
     down = getattr(mlp, site.down)
 
     def forward(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return plus_residual(down, fusion(x, weight, activation=site.activation), residual)
-
-    forward.takes_residual = True
-    return forward
-
-
-def gated_mlp_forward(mlp: torch.nn.Module, fusion):
-    """The whole MLP, the residual add after it included, through one fusion: the interleaved gate/up weight, and
-    down_proj's weight and bias read at call time."""
-    site = _site(mlp)
-    weight = _interleaved_gate_up(mlp, site)
-    down = getattr(mlp, site.down)
-
-    def forward(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return fusion(x, weight, down.weight, down.bias, residual=residual, activation=site.activation)
 
     forward.takes_residual = True
     return forward
