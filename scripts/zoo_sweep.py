@@ -133,7 +133,8 @@ def table(rows: list[dict], header: str) -> str:
         rolled = ", ".join(f"{n} ({clip(reason, 60)})" if reason else n
                            for n, reason in apply.get("rolled_back", {}).items())
         lines.append(f"| {r['type']} | {cache} | {error} | {'yes' if r['profile']['ok'] else 'no'} | "
-                     f"{', '.join(apply.get('kept', [])) or '-'} | {rolled or '-'} | {clip(why.replace('|', '/'), 160)} |")
+                     f"{', '.join(apply.get('kept', [])) or '-'} | {rolled or '-'} | "
+                     f"{clip(why.replace('|', '/'), 160)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -59,10 +59,10 @@ def test_sweep_subset(tmp_path, model_type):
     assert f"| {model_type} |" in out.with_suffix(".md").read_text()
 
 
-def test_layers_sharing_keys_and_values_decode_on_a_static_cache():
+def test_layers_sharing_keys_and_values_decode_on_a_static_cache(monkeypatch):
     """Gemma-3n's last layers read the keys and values of earlier ones (transformers gives them dummy cache layers,
     initialised and empty): the engine's static cache stores nothing for them, and its decode is the model's."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     from zoo_sweep import check_decode
 
     from optiq.engine import static_layouts
