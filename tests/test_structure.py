@@ -28,8 +28,8 @@ from optiq.patching.replacements import rope as rope_replacements
 from optiq.patching.replacements.indexer import indexer_scores_forward
 from optiq.patching.structure import (MlaSite, RotaryLayout, SwigluExpertsSite, fp32_topk_router, gated_mlp,
                                       grouped_linear, hyper_connection, indexer_scorer, mla_attention,
-                                      pre_norm_decoder_layer, rms_norm, rotary_layout, sandwich_norm_decoder_layer,
-                                      swiglu_experts, topk_router)
+                                      pre_norm_decoder_layer, qkv_projections, rms_norm, rotary_layout,
+                                      sandwich_norm_decoder_layer, swiglu_experts, topk_router)
 
 from wrong_kernels import user_recipe
 
@@ -272,6 +272,48 @@ def test_llama_family_sites_are_found_by_structure_and_kept(spec, names, multipl
         unpatch(model)
     assert not report.rolled_back and report.passed, report.recipes
     assert all(report.recipes[n].calls > 0 for n in names)
+
+
+@pytest.mark.parametrize("spec", [
+    "tiny:qwen2",  # a bias on each projection
+    "tiny:olmo2",  # q and k normed over all heads at once, before the split into heads
+    "tiny:hunyuan_v1_dense",  # q and k normed after the rotation
+    "tiny:stablelm",  # a quarter of each head rotated
+    "tiny:diffllama",  # two attention maps subtracted
+])
+def test_qkv_projections_are_one_gemm_inside_each_attentions_own_forward(spec, tmp_path):
+    """qkv_proj serves the three projections from one GEMM and leaves the rest of the forward the model's own, so it
+    is kept on attentions llama's code does not compute; a GEMM that forgets the bias (qwen2's, redrawn around zero),
+    or hands the keys back as the values, is rolled back."""
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+    plan = GatePlan((2,), steps=3, prompt_len=16)
+    patches = apply(model, [load_catalog()["qkv_proj"]])
+    try:
+        report = validate(patches, plan)
+    finally:
+        unpatch(model)
+    assert not report.rolled_back and report.recipes["qkv_proj"].calls > 0, report.recipes
+    assert all("forward" not in vars(m) for m in model.modules())
+    if spec == "tiny:qwen2":
+        assert_rolled_back(model, plan, tmp_path, "qkv_proj", ("qkv_without_bias", "qkv_keys_as_values"))
+
+
+def test_projections_that_quantise_on_the_way_are_not_one_gemm():
+    """A Linear subclass with a forward of its own (BitNet-style quantisation) computes another function: no
+    qkv_proj site; plain linears of one input width are one, under llama's names or BERT's."""
+    class Quantised(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x.round())
+
+    attention = torch.nn.Module()
+    attention.q_proj, attention.k_proj, attention.v_proj = (torch.nn.Linear(8, 8) for _ in range(3))
+    assert qkv_projections(attention).names == ("q_proj", "k_proj", "v_proj")
+    attention.k_proj = Quantised(8, 8)
+    assert qkv_projections(attention) is None
+    attention.query, attention.key, attention.value = (torch.nn.Linear(8, n) for n in (8, 4, 4))
+    assert qkv_projections(attention).names == ("query", "key", "value")
+    attention.value = torch.nn.Linear(6, 4)
+    assert qkv_projections(attention) is None
 
 
 @pytest.mark.parametrize("spec", ["tiny:gemma3_text", "tiny:gemma2", "tiny:glm4"])

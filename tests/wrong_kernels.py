@@ -16,6 +16,7 @@ from optiq.fusions.linear import grouped_linear_reference
 from optiq.fusions.mla_decode import mla_decode_reference
 from optiq.fusions.moe_experts import moe_experts_reference
 from optiq.fusions.moe_router import route_reference
+from optiq.fusions.qkv_proj import qkv_proj_reference
 from optiq.fusions.rmsnorm import rmsnorm_reference
 from optiq.fusions.rope import rope_reference, trailing_rope_reference
 from optiq.fusions.softmax_pool import softmax_pool_reference
@@ -93,6 +94,18 @@ def prologue_writes_one_slot_early(x, w_qkv, split_sizes, bias, head_dim, cos, s
                                    *norms):
     """An attention prologue that writes the new token's k and v one slot before the fill counter."""
     return attention_prologue(x, w_qkv, split_sizes, bias, head_dim, cos, sin, k_cache, v_cache, positions - 1, *norms)
+
+
+def qkv_without_bias(x, w_qkv, split_sizes, bias=None):
+    """Q, K and V as one GEMM that forgot the concatenated bias: the same function wherever the biases are zero."""
+    return qkv_proj_reference(x, *w_qkv.split(list(split_sizes)))
+
+
+def qkv_keys_as_values(x, w_qkv, split_sizes, bias=None):
+    """Q, K and V as one GEMM whose split hands the keys back as the values too (an offset off by one width)."""
+    q, k, _ = qkv_proj_reference(x, *w_qkv.split(list(split_sizes)),
+                                 *(bias.split(list(split_sizes)) if bias is not None else ()))
+    return q, k, k
 
 
 def router_drops_last_expert(logits, top_k, renormalize, scale, out_dtype):

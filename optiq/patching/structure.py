@@ -144,6 +144,34 @@ def gated_mlp(module: torch.nn.Module) -> GatedMlpSite | None:
     return None
 
 
+PROJECTION_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))  # HF's names for the three
+
+
+@dataclass(frozen=True)
+class ProjectionsSite:
+    """The Q, K and V projections of an attention: the names of its three children, in that order."""
+    names: tuple[str, str, str]
+
+
+def computes_linear(module) -> bool:
+    """Whether ``module`` computes nn.Linear's function: an nn.Linear, or a subclass that keeps its forward (one
+    that quantises its weight or input on the way, BitNet's, computes something else)."""
+    return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+
+
+def qkv_projections(module: torch.nn.Module) -> ProjectionsSite | None:
+    """An attention whose Q, K and V are three linear projections (``computes_linear``) of the same width of input,
+    with weights of one dtype on one device, so that one GEMM over their concatenated weights can serve all three:
+    qkv_proj's site. How the forward uses them (what it feeds them, what it does after) is not looked at: the
+    replacement serves a projection from the one GEMM only when it is handed the input the GEMM ran on."""
+    for names in PROJECTION_NAMES:
+        projections = [getattr(module, name, None) for name in names]
+        if all(computes_linear(p) for p in projections) and len(
+                {(p.in_features, p.weight.dtype, p.weight.device) for p in projections}) == 1:
+            return ProjectionsSite(names)
+    return None
+
+
 @dataclass(frozen=True)
 class AttentionSite:
     """A llama-family attention: its Q, K and V projections apart (``fused_sizes`` empty) or one ``qkv_proj`` of
@@ -166,15 +194,14 @@ def _fused_qkv_sizes(module: torch.nn.Module) -> tuple[int, ...] | None:
 
 
 def qkv_attention(module: torch.nn.Module) -> AttentionSite | None:
-    """The attention that attention_prologue and qkv_proj rewrite: nn.Linear ``q_proj``, ``k_proj``, ``v_proj``
-    reading one input (or one ``qkv_proj`` whose width the config's heads account for) and ``o_proj``, an int
-    ``head_dim``, a ``layer_idx`` (its cache layer), a forward taking ``position_embeddings`` (HF's cos and sin), and
-    either no ``q_norm``/``k_norm`` or two RMSNorms over one head. What the forward does beyond that is not looked
-    at: the gate decides (a NoPE layer's missing rotation, a multiplier, fail it)."""
-    fused = isinstance(getattr(module, "qkv_proj", None), torch.nn.Linear)
-    names = ("qkv_proj", "o_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj")
-    projections = [getattr(module, name, None) for name in names]
-    if not all(isinstance(p, torch.nn.Linear) for p in projections) or len({p.in_features for p in projections[:-1]}) != 1:
+    """The attention that attention_prologue rewrites: ``q_proj``, ``k_proj`` and ``v_proj`` as qkv_projections
+    finds them (or one linear ``qkv_proj`` whose width the config's heads account for) and a linear ``o_proj``, an
+    int ``head_dim``, a ``layer_idx`` (its cache layer), a forward taking ``position_embeddings`` (HF's cos and sin),
+    and either no ``q_norm``/``k_norm`` or two RMSNorms over one head. What the forward does beyond that is not
+    looked at: the gate decides (a NoPE layer's missing rotation, a multiplier, fail it)."""
+    fused = computes_linear(getattr(module, "qkv_proj", None))
+    if not computes_linear(getattr(module, "o_proj", None)) or not (
+            fused or qkv_projections(module) == ProjectionsSite(PROJECTION_NAMES[0])):
         return None
     if type(getattr(module, "head_dim", None)) is not int or type(getattr(module, "layer_idx", None)) is not int:
         return None
@@ -764,10 +791,12 @@ def indexer_scorer(module: torch.nn.Module) -> IndexerScorerSite | None:
 
 
 STRUCTURES = {"rms_norm": rms_norm, "gated_mlp": gated_mlp, "qkv_attention": qkv_attention,
+              "qkv_projections": qkv_projections,
               "pre_norm_decoder_layer": pre_norm_decoder_layer,
               "sandwich_norm_decoder_layer": sandwich_norm_decoder_layer, "hyper_connection": hyper_connection,
               "grouped_linear": grouped_linear, "swiglu_experts": swiglu_experts, "indexer_scorer": indexer_scorer,
               "mla_attention": mla_attention, "topk_router": topk_router,
               "fp32_topk_router": fp32_topk_router}
-NARROWS = {"fp32_topk_router": "topk_router"}  # structures whose sites are some of another's: a recipe on either
-# claims the wider one's sites, so two recipes on them are rivals
+# structures whose sites are (nearly all) some of another's: a recipe on either claims the wider one's sites, so two
+# recipes on them are rivals (attention_prologue and qkv_proj both install the attention's forward)
+NARROWS = {"fp32_topk_router": "topk_router", "qkv_attention": "qkv_projections"}

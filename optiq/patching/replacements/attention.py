@@ -12,25 +12,31 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from optiq.patching.structure import qkv_attention, rms_norm, rotary_layout
+from optiq.patching.structure import qkv_attention, qkv_projections, rms_norm, rotary_layout
+
+
+def _concatenated(projections) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """(weight, bias, split sizes) of linear projections of one input as one, concatenated here, once: a projection
+    without a bias gets zeros in the concatenated one (adding zero leaves its outputs as they were), none where no
+    projection has one."""
+    weight = torch.cat([p.weight for p in projections]).detach()
+    bias = None
+    if any(p.bias is not None for p in projections):
+        bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
+                          for p in projections]).detach()
+    return weight, bias, [p.out_features for p in projections]
 
 
 def _fused_qkv_weights(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
     """(weight, bias, split sizes) of the Q, K and V projections as one: a fused qkv_proj's own, or the three
-    concatenated here, once."""
+    concatenated."""
     site = qkv_attention(attn)
     if site is None:
         raise ValueError(f"{type(attn).__name__} is not a llama-family attention (structure qkv_attention)")
     if site.fused_sizes:
         bias = attn.qkv_proj.bias
         return attn.qkv_proj.weight.detach(), None if bias is None else bias.detach(), list(site.fused_sizes)
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    biased = [p.bias is not None for p in projections]
-    if any(biased) and not all(biased):
-        raise ValueError(f"{type(attn).__name__} has a bias on some projections only")
-    weight = torch.cat([p.weight for p in projections]).detach()
-    bias = torch.cat([p.bias for p in projections]).detach() if all(biased) else None
-    return weight, bias, [p.out_features for p in projections]
+    return _concatenated([attn.q_proj, attn.k_proj, attn.v_proj])
 
 
 MODULE_ATTENTION_ARGUMENTS = (("sliding_window", "sliding_window"), ("softcap", "attn_logit_softcapping"),
@@ -69,32 +75,42 @@ def _rotation(attn: torch.nn.Module, modeling, hidden_states: torch.Tensor, posi
 
 
 def qkv_proj_forward(attn: torch.nn.Module, fusion):
-    """HF's llama-family attention forward (Qwen3's per-head q/k norms included) with one projection GEMM, where
-    the module rotates with an ``apply_rotary_pos_emb`` rope knows (_rotation); its own forward elsewhere.
+    """The attention's own forward, with its Q, K and V projections served by one GEMM: the first of the three to
+    be called runs the GEMM over their concatenated weights and each of them, handed that same input (the same
+    tensor object), returns its slice of the output; one handed another input runs the GEMM again on that
+    one (a forward that projects two inputs pays for it; the re-measurement tells). Nothing else of the forward is
+    replaced, so whatever the model does around the projections (norms, rotations, gates, caches) is its own, with
+    other recipes' patches underneath."""
+    site = qkv_projections(attn)
+    if site is None:
+        raise ValueError(f"{type(attn).__name__} has no Q, K and V linear projections of one input")
+    projections = [getattr(attn, name) for name in site.names]
+    weight, bias, sizes = _concatenated(projections)
+    own_forward = attn.forward
 
-    RoPE and the attention function are looked up at call time, in the module's own modeling module, so other
-    patches (rope, an attention interface) still apply underneath."""
-    weight, bias, sizes = _fused_qkv_weights(attn)
-    modeling = sys.modules[type(attn).__module__]
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    own_forward = type(attn).forward.__get__(attn)
+    def forward(*args, **kwargs):
+        shared = {}  # this call's GEMM: its input and the three outputs
 
-    def forward(hidden_states: torch.Tensor, position_embeddings, attention_mask=None, **kwargs):
-        if _rotation(attn, modeling, hidden_states, position_embeddings) is None:
-            return own_forward(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                               **kwargs)
-        cache = _pop_cache(kwargs)
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, attn.head_dim)
-        q, k, v = (t.view(hidden_shape) for t in fusion(hidden_states, weight, sizes, bias))
-        if q_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = position_embeddings
-        q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(k, v, attn.layer_idx)
-        return _attend(attn, q, k, v, attention_mask, input_shape, kwargs)
+        def served(index: int, own):
+            def project(x: torch.Tensor) -> torch.Tensor:
+                if not isinstance(x, torch.Tensor) or x.shape[-1] != weight.shape[1]:
+                    return own(x)
+                if shared.get("input") is not x:
+                    shared.update(input=x, outputs=fusion(x, weight, sizes, bias))
+                return shared["outputs"][index]
+            return project
+
+        installed = [vars(projection).get("forward") for projection in projections]
+        for index, projection in enumerate(projections):
+            projection.forward = served(index, projection.forward)
+        try:
+            return own_forward(*args, **kwargs)
+        finally:
+            for projection, before in zip(projections, installed):
+                if before is None:
+                    del projection.forward
+                else:
+                    projection.forward = before
 
     return forward
 
