@@ -142,6 +142,19 @@ def test_graph_mode_gate_checks_the_captured_patched_model(preset):
     assert report.reference_mode == "graph"  # the MoE's fp32 experts too (optiq.gate.references.experts)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph mode needs CUDA")
+@pytest.mark.parametrize("spec", ["tiny:qwen2", "tiny:olmo2"])
+def test_graph_mode_gate_keeps_qkv_proj_inside_the_attentions_own_forward(spec):
+    """qkv_proj's per-call routing of the three projections is captured into the CUDA graph as the GEMM it chose
+    (qwen2's biases; olmo2's q and k normed over all heads, which attention_prologue's code does not compute)."""
+    model = load_model(spec, torch.bfloat16, torch.device("cuda"))
+    catalog = load_catalog()
+    patches = apply(model, [catalog[name] for name in ("qkv_proj", "decode_attention", "rmsnorm", "decode_linear")])
+    report = validate(patches, GatePlan(concurrencies=(1, 16), steps=8, prompt_len=5, mode="graph"))
+    assert report.passed and not report.rolled_back, report
+    assert report.recipes["qkv_proj"].calls > 0
+
+
 @pytest.mark.parametrize("preset, base, fusion", [
     ("tiny-qwen3-moe", "moe_experts", "wrong_kernels:experts_first_choice_only"),
     ("tiny-deepseek-v2", "moe_experts", "wrong_kernels:experts_first_choice_only"),
