@@ -254,6 +254,8 @@ def test_an_implementation_without_the_cap_runs_uncapped_and_so_does_the_kernel(
     ("tiny:phi3", ["attention_prologue", "add_rmsnorm"], None),  # one fused qkv_proj
     ("tiny:granite", ["add_rmsnorm", "attention_prologue"], 0.22),  # Granite's residual and attention multipliers
     ("tiny:deepseek_v32", ["add_rmsnorm"], None),  # its cache layers hold the indexer's keys beside the latent's
+    ("tiny:gpt_oss", ["add_rmsnorm"], None),  # a MoE that returns its router scores beside the hidden states
+    ("tiny:bailing_hybrid", ["add_rmsnorm"], None),  # linear-attention mixers that return the hidden states alone
 ])
 def test_llama_family_sites_are_found_by_structure_and_kept(spec, names, multiplier):
     """The attention and decoder-layer recipes, once written for five classes, on models the catalog never named;

@@ -22,11 +22,18 @@ last kernel (the decoder layer's add after the MLP then costs no launch of its o
 """
 
 
+def branch_output(output):
+    """The hidden states a decoder layer's branch (its attention, its MLP) returns: the first element of a tuple
+    (attention weights, a MoE's router scores beside it), or the tensor itself where the module returns one alone
+    (a linear-attention layer's mixer)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 def plus_residual(module, x, residual=None):
-    """``residual + module(x)`` (``module(x)`` without a residual): in one call when the module's forward takes
-    ``residual=``, else as HF adds it."""
+    """``residual + module(x)`` (``module(x)`` without a residual; either way its hidden states, ``branch_output``):
+    in one call when the module's forward takes ``residual=``, else as HF adds it."""
     if residual is None:
-        return module(x)
+        return branch_output(module(x))
     if getattr(module.forward, "takes_residual", False):
         return module(x, residual=residual)
-    return residual + module(x)
+    return residual + branch_output(module(x))

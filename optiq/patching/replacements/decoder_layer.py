@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from optiq.patching.replacements import plus_residual
+from optiq.patching.replacements import branch_output, plus_residual
 from optiq.patching.structure import pre_norm_decoder_layer, sandwich_norm_decoder_layer
 
 
@@ -22,12 +22,12 @@ def add_rmsnorm_forward(layer: torch.nn.Module, fusion):
     multiplier = getattr(layer, "residual_multiplier", 1.0)  # Granite scales both branches before their adds
 
     def forward(hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-        attn_out, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)
+        attn_out = branch_output(layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs))
         if multiplier != 1.0:
             attn_out = attn_out * multiplier
         normed, residual = fusion(attn_out, hidden_states, norm.weight, getattr(norm, site.eps_attribute), site.offset)
         if multiplier != 1.0:
-            return residual + layer.mlp(normed) * multiplier
+            return residual + branch_output(layer.mlp(normed)) * multiplier
         return plus_residual(layer.mlp, normed, residual)
 
     return forward
@@ -44,10 +44,10 @@ def sandwich_norm_forward(layer: torch.nn.Module, fusion):
                                                                           site.post_mlp))
 
     def forward(hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-        attn_out, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)
+        attn_out = branch_output(layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs))
         eps = getattr(pre_mlp, site.norm.eps_attribute)
         normed, residual = fusion(attn_out, hidden_states, post_attention.weight, pre_mlp.weight, eps,
                                   site.norm.offset)
-        return fusion(layer.mlp(normed), residual, post_mlp.weight, None, eps, site.norm.offset)[1]
+        return fusion(branch_output(layer.mlp(normed)), residual, post_mlp.weight, None, eps, site.norm.offset)[1]
 
     return forward
