@@ -21,8 +21,9 @@ def _add_rmsnorm_op(
     offset: bool,
     normed: torch.Tensor,
     new_residual: torch.Tensor,
+    weight_first: bool = False,
 ) -> None:
-    launch_rmsnorm(x, residual, weight, eps, offset, normed, new_residual)
+    launch_rmsnorm(x, residual, weight, eps, offset, normed, new_residual, weight_first=weight_first)
 
 
 def add_rmsnorm(
@@ -33,13 +34,15 @@ def add_rmsnorm(
     offset: bool = False,
     normed: torch.Tensor | None = None,
     new_residual: torch.Tensor | None = None,
+    weight_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (rmsnorm(x + residual), x + residual), both in x's dtype; outputs are new tensors unless given."""
+    """Return (rmsnorm(x + residual), x + residual), both in x's dtype (the norm rounded as rmsnorm's
+    ``weight_first`` says); outputs are new tensors unless given."""
     if normed is None:
         normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if new_residual is None:
         new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.ops.optiq.add_rmsnorm(x, residual, weight, eps, offset, normed, new_residual)
+    torch.ops.optiq.add_rmsnorm(x, residual, weight, eps, offset, normed, new_residual, weight_first)
     return normed, new_residual
 
 
@@ -86,11 +89,12 @@ def norm_add_rmsnorm_reference(
 
 
 def add_rmsnorm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+    weight_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The eager sequence: add in the model dtype, then HF's RMSNorm of the sum."""
     new_residual = residual + x
-    return rmsnorm_reference(new_residual, weight, eps, offset), new_residual
+    return rmsnorm_reference(new_residual, weight, eps, offset, weight_first), new_residual
 
 
 def benchmark_case(rows: int, dtype: torch.dtype, device) -> dict:

@@ -5,6 +5,9 @@ Semantics follow Hugging Face exactly, including where it rounds:
   (LlamaRMSNorm: ``weight * x_normed.to(input_dtype)``).
 - Gemma (offset=True): normalise in fp32, multiply by (1 + weight) in fp32, round once
   (Gemma3RMSNorm: ``(x_normed * (1.0 + weight.float())).type_as(x)``).
+- OLMo 2 (weight_first=True): normalise in fp32, multiply by the weight in fp32, round once
+  (Olmo2RMSNorm: ``(weight * x_normed).to(input_dtype)``); a rounding fewer than Llama's, which in bf16 is an error
+  the validation gate sees.
 The output is in x's dtype. The kernel also serves add_rmsnorm (HAS_RESIDUAL) and norm_add_rmsnorm (BRANCH_NORM), so
 they cannot drift apart.
 """
@@ -20,13 +23,16 @@ LARGEST_HIDDEN = 65536  # a row must fit in one program's registers
 
 
 @triton.jit
-def _normalised(x, weight_ptr, cols, mask, hidden, eps, OFFSET: tl.constexpr, dtype: tl.constexpr):
+def _normalised(x, weight_ptr, cols, mask, hidden, eps, OFFSET: tl.constexpr, WEIGHT_FIRST: tl.constexpr,
+                dtype: tl.constexpr):
     """One row RMS-normalised in fp32 and scaled by its weight, rounded to ``dtype`` where HF rounds."""
     x = x.to(tl.float32)
     normed = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if OFFSET:
         return (normed * (1.0 + weight)).to(dtype)
+    if WEIGHT_FIRST:
+        return (normed * weight).to(dtype)
     return (normed.to(dtype).to(tl.float32) * weight).to(dtype)
 
 
@@ -48,6 +54,7 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     NORM_SUM: tl.constexpr,
     OFFSET: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -59,14 +66,14 @@ def _rmsnorm_kernel(
     mask = cols < hidden
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
     if BRANCH_NORM:
-        x = _normalised(x, branch_weight_ptr, cols, mask, hidden, eps, OFFSET, x_ptr.dtype.element_ty)
+        x = _normalised(x, branch_weight_ptr, cols, mask, hidden, eps, OFFSET, WEIGHT_FIRST, x_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0)
         # Round the sum to the model dtype, as the eager `residual + hidden_states` does, and normalise that.
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(new_residual_ptr.dtype.element_ty)
         tl.store(new_residual_ptr + row * new_residual_row_stride + cols, x, mask=mask)
     if NORM_SUM:
-        y = _normalised(x, weight_ptr, cols, mask, hidden, eps, OFFSET, out_ptr.dtype.element_ty)
+        y = _normalised(x, weight_ptr, cols, mask, hidden, eps, OFFSET, WEIGHT_FIRST, out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * out_row_stride + cols, y, mask=mask)
 
 
@@ -76,10 +83,10 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def launch_rmsnorm(x, residual, weight, eps, offset, out, new_residual, branch_weight=None):
+def launch_rmsnorm(x, residual, weight, eps, offset, out, new_residual, branch_weight=None, weight_first=False):
     """Launch the row kernel; residual/new_residual are None for plain RMSNorm, branch_weight is the norm x takes
-    before the residual add (None: none), weight None (and out None) leaves the sum unnormalised. Called from inside
-    a triton_op."""
+    before the residual add (None: none), weight None (and out None) leaves the sum unnormalised; weight_first
+    scales by the weight before the rounding (module docstring). Called from inside a triton_op."""
     hidden = x.shape[-1]
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
@@ -115,32 +122,39 @@ def launch_rmsnorm(x, residual, weight, eps, offset, out, new_residual, branch_w
         HAS_RESIDUAL=residual is not None,
         NORM_SUM=weight is not None,
         OFFSET=offset,
+        WEIGHT_FIRST=weight_first,
         BLOCK=block,
         num_warps=num_warps, enable_fp_fusion=False, **launch_options(x),
     )
 
 
 @triton_op("optiq::rmsnorm", mutates_args=("out",))
-def _rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool, out: torch.Tensor) -> None:
-    launch_rmsnorm(x, None, weight, eps, offset, out, None)
+def _rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool, out: torch.Tensor,
+                weight_first: bool = False) -> None:
+    launch_rmsnorm(x, None, weight, eps, offset, out, None, weight_first=weight_first)
 
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False, out: torch.Tensor | None = None,
+    weight_first: bool = False,
 ) -> torch.Tensor:
-    """RMSNorm of x [..., H] by weight [H] (by 1 + weight when offset, Gemma style); returns out (new if None)."""
+    """RMSNorm of x [..., H] by weight [H] (by 1 + weight when offset, Gemma style; the weight applied before the
+    rounding when weight_first, OLMo 2 style); returns out (new if None)."""
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.ops.optiq.rmsnorm(x, weight, eps, offset, out)
+    torch.ops.optiq.rmsnorm(x, weight, eps, offset, out, weight_first)
     return out
 
 
-def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+                      weight_first: bool = False) -> torch.Tensor:
     """HF's op sequence: accumulate in fp32 (or float64 when x is float64), round where HF rounds."""
     acc = x.to(torch.promote_types(x.dtype, torch.float32))
     normed = acc * torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + eps)
     if offset:
         return (normed * (1.0 + weight.to(acc.dtype))).to(x.dtype)
+    if weight_first:
+        return (weight.to(acc.dtype) * normed).to(x.dtype)
     return weight * normed.to(x.dtype)
 
 

@@ -16,6 +16,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4Atte
                                                                  DeepseekV4TopKRouter)
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from optiq.catalog.recipes import load_catalog
 from optiq.fusions.indexer_scores import indexer_scores
@@ -26,8 +27,8 @@ from optiq.patching import apply, unpatch
 from optiq.patching.replacements import mla as mla_replacements
 from optiq.patching.replacements import rope as rope_replacements
 from optiq.patching.replacements.indexer import indexer_scores_forward
-from optiq.patching.structure import (MlaSite, RotaryLayout, SwigluExpertsSite, fp32_topk_router, gated_mlp,
-                                      grouped_linear, hyper_connection, indexer_scorer, mla_attention,
+from optiq.patching.structure import (MlaSite, NormSite, RotaryLayout, SwigluExpertsSite, fp32_topk_router,
+                                      gated_mlp, grouped_linear, hyper_connection, indexer_scorer, mla_attention,
                                       pre_norm_decoder_layer, qkv_projections, rms_norm, rotary_layout,
                                       sandwich_norm_decoder_layer, swiglu_experts, topk_router)
 
@@ -38,12 +39,16 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 
 def test_rms_norms_are_found_by_what_they_compute_whatever_their_class():
-    llama, gemma = LlamaRMSNorm(32, eps=1e-5), Gemma3RMSNorm(32, eps=1e-6)
+    """With where each applies its weight and rounds: Llama's rounds the normalised row before the weight, OLMo 2's
+    after (the same function in float64, a rounding apart in bf16)."""
+    llama, gemma, olmo2 = LlamaRMSNorm(32, eps=1e-5), Gemma3RMSNorm(32, eps=1e-6), Olmo2RMSNorm(32, eps=1e-6)
     with torch.no_grad():
         llama.weight.normal_(1.0, 0.1)
         gemma.weight.normal_(0.0, 0.1)
-    assert rms_norm(llama).offset is False and rms_norm(llama).eps_attribute == "variance_epsilon"
-    assert rms_norm(gemma).offset is True and rms_norm(gemma).eps_attribute == "eps"
+        olmo2.weight.normal_(1.0, 0.1)
+    assert rms_norm(llama) == NormSite("variance_epsilon", offset=False, weight_first=False)
+    assert rms_norm(gemma) == NormSite("eps", offset=True, weight_first=False)
+    assert rms_norm(olmo2) == NormSite("variance_epsilon", offset=False, weight_first=True)
     assert rms_norm(torch.nn.LayerNorm(32, bias=False)) is None  # subtracts the mean: another structure
     assert rms_norm(torch.nn.Linear(32, 32, bias=False)) is None
 

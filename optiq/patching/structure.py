@@ -24,6 +24,7 @@ PROBE_ROWS = 4
 class NormSite:
     eps_attribute: str  # where the module keeps its epsilon (read at call time)
     offset: bool  # the weight is applied as 1 + w (Gemma), not w
+    weight_first: bool = False  # w scales the fp32 normalised row before its one rounding (OLMo 2), not after (Llama)
 
 
 def _output_like(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -61,8 +62,28 @@ def rms_norm(module: torch.nn.Module) -> NormSite | None:
     for offset, scale in ((False, w), (True, 1.0 + w)):
         # HF computes a norm in fp32 whatever its input: agreement to fp32's precision is a match
         if torch.allclose(got, normed * scale, rtol=1e-4, atol=1e-6):
-            return NormSite(eps_attribute, offset)
+            return NormSite(eps_attribute, offset, weight_first=not offset and _weight_first(module, eps_attribute))
     return None
+
+
+def _weight_first(module: torch.nn.Module, eps_attribute: str) -> bool:
+    """Whether a ``w``-scaled RMSNorm, run in bf16, multiplies its fp32 normalised row by the weight before rounding
+    it once (OLMo 2's ``(w * normed).to(dtype)``) rather than rounding first (Llama's ``w * normed.to(dtype)``):
+    which of the two its output on a bf16 probe is nearer, element by element. The two differ by a rounding, an
+    error the gate sees in bf16."""
+    weight = module.weight
+    probe = copy.deepcopy(module).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(PROBE_ROWS, weight.shape[0], generator=generator).to(weight.device, torch.bfloat16)
+    with torch.no_grad():
+        probe.weight.copy_(0.5 + 0.2 * torch.randn(weight.shape, generator=generator))
+    got = _output_like(probe, x)
+    if got is None:
+        return False
+    acc, w = x.float(), probe.weight.detach()
+    normed = acc * torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + getattr(module, eps_attribute))
+    first, last = (w.float() * normed).to(torch.bfloat16), w * normed.to(torch.bfloat16)
+    return bool((got != first).sum() < (got != last).sum())
 
 
 
@@ -214,7 +235,7 @@ def qkv_attention(module: torch.nn.Module) -> AttentionSite | None:
     if q_norm is None and k_norm is None:
         return AttentionSite(qk_norm=False, norm_offset=False, fused_sizes=fused_sizes)
     sites = [rms_norm(n) if isinstance(n, torch.nn.Module) else None for n in (q_norm, k_norm)]
-    if None in sites or sites[0].offset != sites[1].offset or sites[0].eps_attribute != sites[1].eps_attribute or any(
+    if None in sites or sites[0] != sites[1] or sites[0].weight_first or any(
             n.weight.shape != (module.head_dim,) for n in (q_norm, k_norm)):
         return None
     return AttentionSite(qk_norm=True, norm_offset=sites[0].offset, fused_sizes=fused_sizes)
@@ -262,8 +283,8 @@ def sandwich_norm_decoder_layer(module: torch.nn.Module) -> SandwichSite | None:
             continue
         norms = [names[name] for name in ("input_layernorm", *placement)]
         sites = [rms_norm(norm) for norm in norms]
-        if None in sites or len({site.offset for site in sites}) != 1 or len(
-                {getattr(norm, site.eps_attribute) for norm, site in zip(norms, sites)}) != 1:
+        if None in sites or len({(site.offset, site.weight_first) for site in sites}) != 1 or sites[1].weight_first \
+                or len({getattr(norm, site.eps_attribute) for norm, site in zip(norms, sites)}) != 1:
             return None
         return SandwichSite(*placement, norm=sites[1])
     return None

@@ -23,17 +23,18 @@ def make_inputs(shape, dtype, device, seed):
     return [t.to(device=device, dtype=dtype) for t in (x, residual, weight)]
 
 
-def check(outputs, x, residual, weight, eps, offset):
+def check(outputs, x, residual, weight, eps, offset, weight_first=False):
     """Both outputs must be fully written and match the float64 reference within the dtype's tolerance."""
-    expected = add_rmsnorm_reference(x.double(), residual.double(), weight.double(), eps, offset)
+    expected = add_rmsnorm_reference(x.double(), residual.double(), weight.double(), eps, offset, weight_first)
     for name, out, want in zip(("normed", "new_residual"), outputs, expected):
         assert not out.isnan().any(), f"the kernel left poisoned elements of {name} unwritten"
         torch.testing.assert_close(out.double(), want, **TOLERANCE[x.dtype], msg=lambda m: f"{name}: {m}")
 
 
-def run_poisoned(x, residual, weight, eps, offset):
+def run_poisoned(x, residual, weight, eps, offset, weight_first=False):
     normed, new_residual = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
-    outputs = add_rmsnorm(x, residual, weight, eps, offset, normed=normed, new_residual=new_residual)
+    outputs = add_rmsnorm(x, residual, weight, eps, offset, normed=normed, new_residual=new_residual,
+                          weight_first=weight_first)
     assert outputs[0] is normed and outputs[1] is new_residual
     return outputs
 
@@ -64,17 +65,18 @@ def test_rejects_mismatched_residual():
 
 
 @needs_cuda
-@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("offset, weight_first", [(False, False), (True, False), (False, True)],
+                         ids=["llama", "gemma", "olmo2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 16, 64, 256])
 @pytest.mark.parametrize("hidden", [1024, 2048, 4096])
-def test_matches_reference_cuda(request, hidden, rows, dtype, offset):
+def test_matches_reference_cuda(request, hidden, rows, dtype, offset, weight_first):
     x, residual, weight = make_inputs((rows, hidden), dtype, "cuda", seed_of(request))
-    normed, new_residual = run_poisoned(x, residual, weight, EPS, offset)
-    check((normed, new_residual), x, residual, weight, EPS, offset)
+    normed, new_residual = run_poisoned(x, residual, weight, EPS, offset, weight_first)
+    check((normed, new_residual), x, residual, weight, EPS, offset, weight_first)
     # The new residual is the eager model-dtype add exactly; the normed rows agree with HF's fp32 sequence
     # to the last bit but for rare rounding-boundary cases.
-    eager_normed, eager_residual = add_rmsnorm_reference(x, residual, weight, EPS, offset)
+    eager_normed, eager_residual = add_rmsnorm_reference(x, residual, weight, EPS, offset, weight_first)
     assert torch.equal(new_residual, eager_residual)
     torch.testing.assert_close(normed, eager_normed, rtol=2**-7, atol=1e-6)
     assert (normed != eager_normed).float().mean() < 1e-3

@@ -1,9 +1,10 @@
-"""RMSNorm kernel against a float64 reference; the reference itself against HF's Llama and Gemma norms."""
+"""RMSNorm kernel against a float64 reference; the reference itself against HF's Llama, Gemma and OLMo 2 norms."""
 
 import pytest
 import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from optiq.fusions.rmsnorm import rmsnorm, rmsnorm_reference
 from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
@@ -15,6 +16,9 @@ TOLERANCE = {
     torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
 }
 EPS = 1e-6
+# (offset, weight_first): where the weight applies and where the result is rounded, as HF's norms do it
+KINDS = pytest.mark.parametrize("offset, weight_first", [(False, False), (True, False), (False, True)],
+                                ids=["llama", "gemma", "olmo2"])
 
 
 def make_inputs(shape, dtype, device, seed):
@@ -24,25 +28,25 @@ def make_inputs(shape, dtype, device, seed):
     return x.to(device=device, dtype=dtype), weight.to(device=device, dtype=dtype)
 
 
-def check(out, x, weight, eps, offset):
+def check(out, x, weight, eps, offset, weight_first=False):
     """out must be fully written and match the float64 reference within the dtype's tolerance."""
     assert not out.isnan().any(), "the kernel left poisoned elements unwritten"
-    expected = rmsnorm_reference(x.double(), weight.double(), eps, offset)
+    expected = rmsnorm_reference(x.double(), weight.double(), eps, offset, weight_first)
     torch.testing.assert_close(out.double(), expected, **TOLERANCE[x.dtype])
 
 
-def run_poisoned(x, weight, eps, offset):
+def run_poisoned(x, weight, eps, offset, weight_first=False):
     out = torch.full_like(x, float("nan"))
-    assert rmsnorm(x, weight, eps, offset, out=out) is out
+    assert rmsnorm(x, weight, eps, offset, out=out, weight_first=weight_first) is out
     return out
 
 
-@pytest.mark.parametrize("offset", [False, True])
+@KINDS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(3, 80), (1, 64), (2, 3, 48)])
-def test_matches_reference_small(request, shape, dtype, offset):
+def test_matches_reference_small(request, shape, dtype, offset, weight_first):
     x, weight = make_inputs(shape, dtype, SMALL_DEVICE, seed_of(request))
-    check(run_poisoned(x, weight, EPS, offset), x, weight, EPS, offset)
+    check(run_poisoned(x, weight, EPS, offset, weight_first), x, weight, EPS, offset, weight_first)
 
 
 def test_strided_rows(request):
@@ -69,28 +73,32 @@ def test_rejects_mismatched_weight():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_reference_is_hf(request, dtype):
-    """The reference reproduces HF's rounding bit for bit: Llama rounds before the weight, Gemma after."""
+    """The reference reproduces HF's rounding bit for bit: Llama rounds before the weight, Gemma and OLMo 2 after
+    (the two orders differ: the test could fail)."""
     x, weight = make_inputs((4, 64), dtype, "cpu", seed_of(request))
-    llama = LlamaRMSNorm(64, eps=EPS).to(dtype)
-    gemma = Gemma3RMSNorm(64, eps=EPS).to(dtype)
+    norms = [LlamaRMSNorm(64, eps=EPS).to(dtype), Gemma3RMSNorm(64, eps=EPS).to(dtype), Olmo2RMSNorm(64, eps=EPS)]
+    norms[2].to(dtype)
     with torch.no_grad():
-        llama.weight.copy_(weight)
-        gemma.weight.copy_(weight)
-        assert torch.equal(rmsnorm_reference(x, weight, EPS), llama(x))
-        assert torch.equal(rmsnorm_reference(x, weight, EPS, offset=True), gemma(x))
+        for norm in norms:
+            norm.weight.copy_(weight)
+        llama, gemma, olmo2 = (norm(x) for norm in norms)
+    assert torch.equal(rmsnorm_reference(x, weight, EPS), llama)
+    assert torch.equal(rmsnorm_reference(x, weight, EPS, offset=True), gemma)
+    assert torch.equal(rmsnorm_reference(x, weight, EPS, weight_first=True), olmo2)
+    assert not torch.equal(llama, olmo2)
 
 
 @needs_cuda
-@pytest.mark.parametrize("offset", [False, True])
+@KINDS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 16, 64, 256])
 @pytest.mark.parametrize("hidden", [1024, 2048, 4096])
-def test_matches_reference_cuda(request, hidden, rows, dtype, offset):
+def test_matches_reference_cuda(request, hidden, rows, dtype, offset, weight_first):
     x, weight = make_inputs((rows, hidden), dtype, "cuda", seed_of(request))
-    out = run_poisoned(x, weight, EPS, offset)
-    check(out, x, weight, EPS, offset)
+    out = run_poisoned(x, weight, EPS, offset, weight_first)
+    check(out, x, weight, EPS, offset, weight_first)
     # Against HF's own fp32 sequence the kernel agrees to the last bit but for rare rounding-boundary cases.
-    hf = rmsnorm_reference(x, weight, EPS, offset)
+    hf = rmsnorm_reference(x, weight, EPS, offset, weight_first)
     torch.testing.assert_close(out, hf, rtol=2**-7, atol=1e-6)
     assert (out != hf).float().mean() < 1e-3
 
