@@ -7,10 +7,7 @@ drains and the second is launched and spread over the SMs (qwen3-0.6b's C=1 step
 replay). Launched with PDL, a kernel's programs may be resident before its predecessor has finished; each one waits
 (``griddepcontrol.wait``) until the predecessor has completed and its writes are visible, then lets its own successor
 launch. Waiting first, before any load or store, keeps every read-after-write and write-after-read order of the
-stream, so the kernels need no other change. With ``OPTIQ_PDL_EARLY=1`` (a measuring knob) a kernel lets its
-successor launch before it waits itself: its successor's programs may then be resident, and ask L2 for their
-weights, while the kernel before this one still runs. Order is kept all the same: each kernel still waits for its
-predecessor to complete, and that one completed only after its own predecessor had. A predecessor launched without PDL (cuBLAS, torch's own kernels) just
+stream, so the kernels need no other change. A predecessor launched without PDL (cuBLAS, torch's own kernels) just
 ends the overlap there: its successor starts when it completes, as without PDL. What it buys alone is in
 BENCHMARKS.md (scripts/knob_ab.py).
 
@@ -35,7 +32,6 @@ import triton.language as tl
 
 PREFETCH_KB = 32  # weight bytes a program asks L2 for before it waits (prefetch_options; 64 and 128 measured slower)
 PREFETCH_LINE_BYTES = 128  # an L2 cache line
-EARLY_TRIGGER = tl.constexpr(2)  # USE_PDL for a kernel that lets its successor launch before it waits (the knob)
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,10 +63,7 @@ def launch_options(tensor: torch.Tensor, programs: int | None = None) -> dict:
     a kernel of as many programs as the device has SMs or more launches without PDL: under PDL its programs start
     as soon as its predecessor does and wait on their SMs, holding SMs the predecessor still needs."""
     on = enabled(tensor) and (programs is None or programs < multiprocessor_count(tensor.device))
-    if not on:
-        return {"USE_PDL": False}
-    early = os.environ.get("OPTIQ_PDL_EARLY", "0") == "1"
-    return {"USE_PDL": EARLY_TRIGGER.value if early else True, "launch_pdl": True}
+    return {"USE_PDL": on, "launch_pdl": on} if on else {"USE_PDL": False}
 
 
 def prefetch_options(launch: dict, rows: int, k: int, itemsize: int) -> dict:
@@ -101,10 +94,7 @@ def prefetch_rows(w_ptr, w_rows, W_ROWS, K, stride_wn, stride_wk, PREFETCH_LINES
 def wait_for_predecessor(USE_PDL: tl.constexpr):
     """In every kernel before its first load (prefetches aside) or store: wait until the kernel before has finished
     and its writes are visible, then let the kernel after launch (it waits in turn, so at most two kernels
-    overlap); with USE_PDL == EARLY_TRIGGER, let it launch first, then wait (three may overlap)."""
-    if USE_PDL == EARLY_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif USE_PDL:
+    overlap)."""
+    if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
