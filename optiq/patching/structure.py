@@ -235,7 +235,7 @@ def qkv_attention(module: torch.nn.Module) -> AttentionSite | None:
     if q_norm is None and k_norm is None:
         return AttentionSite(qk_norm=False, norm_offset=False, fused_sizes=fused_sizes)
     sites = [rms_norm(n) if isinstance(n, torch.nn.Module) else None for n in (q_norm, k_norm)]
-    if None in sites or sites[0] != sites[1] or sites[0].weight_first or any(
+    if None in sites or sites[0].offset != sites[1].offset or sites[0].eps_attribute != sites[1].eps_attribute or any(
             n.weight.shape != (module.head_dim,) for n in (q_norm, k_norm)):
         return None
     return AttentionSite(qk_norm=True, norm_offset=sites[0].offset, fused_sizes=fused_sizes)
@@ -283,8 +283,8 @@ def sandwich_norm_decoder_layer(module: torch.nn.Module) -> SandwichSite | None:
             continue
         norms = [names[name] for name in ("input_layernorm", *placement)]
         sites = [rms_norm(norm) for norm in norms]
-        if None in sites or len({(site.offset, site.weight_first) for site in sites}) != 1 or sites[1].weight_first \
-                or len({getattr(norm, site.eps_attribute) for norm, site in zip(norms, sites)}) != 1:
+        if None in sites or len({site.offset for site in sites}) != 1 or len(
+                {getattr(norm, site.eps_attribute) for norm, site in zip(norms, sites)}) != 1:
             return None
         return SandwichSite(*placement, norm=sites[1])
     return None
