@@ -26,6 +26,11 @@ class NormSite:
     offset: bool  # the weight is applied as 1 + w (Gemma), not w
     weight_first: bool = False  # w scales the fp32 normalised row before its one rounding (OLMo 2), not after (Llama)
 
+    def rounding(self) -> dict:
+        """The keyword arguments a norm fusion takes for this site's rounding order: none for Llama's and Gemma's,
+        so a user's fusion without ``weight_first`` still serves those."""
+        return {"weight_first": True} if self.weight_first else {}
+
 
 def _output_like(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """The module's output for ``x`` when it is one tensor of x's shape; None for anything else (a forward of

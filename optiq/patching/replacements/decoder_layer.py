@@ -20,14 +20,13 @@ def add_rmsnorm_forward(layer: torch.nn.Module, fusion):
         raise ValueError(f"{type(layer).__name__} is not a pre-norm decoder layer with RMSNorms")
     norm = layer.post_attention_layernorm
     multiplier = getattr(layer, "residual_multiplier", 1.0)  # Granite scales both branches before their adds
-    rounding = {"weight_first": True} if site.weight_first else {}  # OLMo 2's and GPT-OSS's order (fusions/rmsnorm)
 
     def forward(hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
         attn_out = branch_output(layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs))
         if multiplier != 1.0:
             attn_out = attn_out * multiplier
         normed, residual = fusion(attn_out, hidden_states, norm.weight, getattr(norm, site.eps_attribute), site.offset,
-                                  **rounding)
+                                  **site.rounding())
         if multiplier != 1.0:
             return residual + branch_output(layer.mlp(normed)) * multiplier
         return plus_residual(layer.mlp, normed, residual)

@@ -21,6 +21,6 @@ def rmsnorm_forward(module: torch.nn.Module, fusion):
         if args or kwargs:  # a gated norm (Mamba-2's, given its gate): not the structure the kernel computes
             return own_forward(hidden_states, *args, **kwargs)
         return fusion(hidden_states, module.weight, getattr(module, site.eps_attribute), site.offset,
-                      **({"weight_first": True} if site.weight_first else {}))
+                      **site.rounding())
 
     return forward
