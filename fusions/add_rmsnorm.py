@@ -49,14 +49,16 @@ def add_rmsnorm(
 @triton_op("optiq::norm_add_rmsnorm", mutates_args=("normed", "new_residual"))
 def _norm_add_rmsnorm_op(x: torch.Tensor, residual: torch.Tensor, branch_norm_weight: torch.Tensor,
                          weight: torch.Tensor, eps: float, offset: bool, normed: torch.Tensor,
-                         new_residual: torch.Tensor) -> None:
-    launch_rmsnorm(x, residual, weight, eps, offset, normed, new_residual, branch_weight=branch_norm_weight)
+                         new_residual: torch.Tensor, weight_first: bool = False) -> None:
+    launch_rmsnorm(x, residual, weight, eps, offset, normed, new_residual, branch_weight=branch_norm_weight,
+                   weight_first=weight_first)
 
 
 @triton_op("optiq::norm_add", mutates_args=("new_residual",))
 def _norm_add_op(x: torch.Tensor, residual: torch.Tensor, branch_norm_weight: torch.Tensor, eps: float,
-                 offset: bool, new_residual: torch.Tensor) -> None:
-    launch_rmsnorm(x, residual, None, eps, offset, None, new_residual, branch_weight=branch_norm_weight)
+                 offset: bool, new_residual: torch.Tensor, weight_first: bool = False) -> None:
+    launch_rmsnorm(x, residual, None, eps, offset, None, new_residual, branch_weight=branch_norm_weight,
+                   weight_first=weight_first)
 
 
 def norm_add_rmsnorm(
@@ -66,26 +68,29 @@ def norm_add_rmsnorm(
     weight: torch.Tensor | None,
     eps: float,
     offset: bool = False,
+    weight_first: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """With s = residual + rmsnorm(x, branch_norm_weight): (rmsnorm(s, weight), s), both in x's dtype; the first is
-    None when weight is None (the layer's last add, whose sum the next layer normalises). Both norms take eps and
-    offset."""
+    None when weight is None (the layer's last add, whose sum the next layer normalises, or a post-norm layer's
+    add). Both norms take eps, offset and weight_first (rmsnorm's rounding orders)."""
     new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if weight is None:
-        torch.ops.optiq.norm_add(x, residual, branch_norm_weight, eps, offset, new_residual)
+        torch.ops.optiq.norm_add(x, residual, branch_norm_weight, eps, offset, new_residual, weight_first)
         return None, new_residual
     normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.ops.optiq.norm_add_rmsnorm(x, residual, branch_norm_weight, weight, eps, offset, normed, new_residual)
+    torch.ops.optiq.norm_add_rmsnorm(x, residual, branch_norm_weight, weight, eps, offset, normed, new_residual,
+                                     weight_first)
     return normed, new_residual
 
 
 def norm_add_rmsnorm_reference(
     x: torch.Tensor, residual: torch.Tensor, branch_norm_weight: torch.Tensor, weight: torch.Tensor | None,
-    eps: float, offset: bool = False,
+    eps: float, offset: bool = False, weight_first: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The eager sequence: HF's norm of x, the add in the model dtype, HF's norm of the sum."""
-    new_residual = residual + rmsnorm_reference(x, branch_norm_weight, eps, offset)
-    return (None if weight is None else rmsnorm_reference(new_residual, weight, eps, offset)), new_residual
+    new_residual = residual + rmsnorm_reference(x, branch_norm_weight, eps, offset, weight_first)
+    normed = None if weight is None else rmsnorm_reference(new_residual, weight, eps, offset, weight_first)
+    return normed, new_residual
 
 
 def add_rmsnorm_reference(

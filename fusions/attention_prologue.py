@@ -16,25 +16,29 @@ def attention_prologue(x: torch.Tensor, w_qkv: torch.Tensor, split_sizes: tuple[
                        bias: torch.Tensor | None, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                        q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                       eps: float = 1e-6, offset: bool = False, **layout: bool) -> torch.Tensor:
-    """x [B, S, H] -> q [B, Hq, S, D], normed (with the norm weights, 1 + w with ``offset``) and rotated (in the
-    layout rope's keywords in ``layout`` name); the rotated k and the v of token s of sequence b land in k_cache,
-    v_cache [B, Hkv, L, D] at slot positions[b] + s (positions [B], any stride)."""
+                       eps: float = 1e-6, offset: bool = False, weight_first: bool = False,
+                       **layout: bool) -> torch.Tensor:
+    """x [B, S, H] -> q [B, Hq, S, D], normed (with the norm weights, 1 + w with ``offset``, rounded as rope's
+    ``weight_first`` says) and rotated (in the layout rope's keywords in ``layout`` name); the rotated k and the v of
+    token s of sequence b land in k_cache, v_cache [B, Hkv, L, D] at slot positions[b] + s (positions [B], any
+    stride)."""
     q, k, v = (t.view(*x.shape[:-1], -1, head_dim).transpose(1, 2) for t in qkv_proj(x, w_qkv, split_sizes, bias))
     rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v=v, k_cache=k_cache, v_cache=v_cache,
-         positions=positions, offset=offset, **layout)
+         positions=positions, offset=offset, weight_first=weight_first, **layout)
     return q
 
 
 def attention_prologue_reference(x, w_qkv, split_sizes, bias, head_dim, cos, sin, k_cache, v_cache, positions,
-                                 q_norm_weight=None, k_norm_weight=None, eps=1e-6, offset=False, **layout):
+                                 q_norm_weight=None, k_norm_weight=None, eps=1e-6, offset=False, weight_first=False,
+                                 **layout):
     """HF's path out of place: (q, k_cache, v_cache) as new tensors."""
     weights = w_qkv.split(list(split_sizes))
     biases = bias.split(list(split_sizes)) if bias is not None else (None, None, None)
     q, k, v = (t.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
                for t in qkv_proj_reference(x, *weights, *biases))
     q, _, k_cache, v_cache = rope_reference(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v=v, k_cache=k_cache,
-                                            v_cache=v_cache, positions=positions, offset=offset, **layout)
+                                            v_cache=v_cache, positions=positions, offset=offset,
+                                            weight_first=weight_first, **layout)
     return q, k_cache, v_cache
 
 

@@ -5,7 +5,8 @@ re-reading its input; at decode these are pure launch overhead. This fusion does
 folded into the same kernel:
 
 - Qwen3's per-head RMSNorm (`q_norm`, `k_norm` over head_dim) applied before the rotation, or Gemma 3's, whose
-  weight is an offset from one (`offset`: the fp32 statistics times 1 + w, rounded once, as Gemma's norm rounds);
+  weight is an offset from one (`offset`: the fp32 statistics times 1 + w, rounded once, as Gemma's norm rounds), or
+  Gemma 4's and AFMoE's, which scale the fp32 statistics by w and round once (`weight_first`, rmsnorm's orders);
 - writing the rotated k and the v straight into a static KV cache at per-sequence positions (what HF's
   `StaticCache.update` does with two `index_copy_` calls).
 
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from optiq.fusions.launch import launch_options, wait_for_predecessor
+from optiq.fusions.rmsnorm import rmsnorm_reference
 
 
 @triton.jit
@@ -58,7 +60,7 @@ def _rounded_product(a, b, dtype: tl.constexpr, FP32: tl.constexpr):
 @triton.jit
 def _rotate_heads(x_ptr, stride_h, stride_d, heads, head_mask, w_ptr, cos1, cos2, sin1, sin2, eps, channel1,
                   channel2, mask, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, OFFSET: tl.constexpr,
-                  CLOCKWISE: tl.constexpr, FP32: tl.constexpr):
+                  WEIGHT_FIRST: tl.constexpr, CLOCKWISE: tl.constexpr, FP32: tl.constexpr):
     """Norm (optionally) and rotate a block of head vectors in place, pair p being channels channel1[p] and
     channel2[p]; return the rotated channels of each pair [heads, pairs] (fp32, model-dtype values)."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty
@@ -74,6 +76,9 @@ def _rotate_heads(x_ptr, stride_h, stride_d, heads, head_mask, w_ptr, cos1, cos2
         if OFFSET:
             x1 = _round((1.0 + w1) * (x1 * rstd), dtype)
             x2 = _round((1.0 + w2) * (x2 * rstd), dtype)
+        elif WEIGHT_FIRST:
+            x1 = _round(w1 * (x1 * rstd), dtype)
+            x2 = _round(w2 * (x2 * rstd), dtype)
         else:
             x1 = _round(w1 * _round(x1 * rstd, dtype), dtype)
             x2 = _round(w2 * _round(x2 * rstd, dtype), dtype)
@@ -98,7 +103,7 @@ def _rope_kernel(
     stride_kcb, stride_kch, stride_kcl, stride_kcd,
     stride_vcb, stride_vch, stride_vcl, stride_vcd,
     HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, HEADS: tl.constexpr, QK_NORM: tl.constexpr,
-    OFFSET: tl.constexpr, WRITE_CACHE: tl.constexpr, INTERLEAVED: tl.constexpr, PAIR_ANGLES: tl.constexpr,
+    OFFSET: tl.constexpr, WEIGHT_FIRST: tl.constexpr, WRITE_CACHE: tl.constexpr, INTERLEAVED: tl.constexpr, PAIR_ANGLES: tl.constexpr,
     CLOCKWISE: tl.constexpr, FP32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (token, block of HEADS heads): the first cdiv(num_q_heads, HEADS) blocks are q's, the rest
@@ -131,13 +136,13 @@ def _rope_kernel(
         heads = block * HEADS + tl.arange(0, HEADS)
         _rotate_heads(q_ptr + b * stride_qb + s * stride_qs, stride_qh, stride_qd, heads, heads < num_q_heads,
                       q_norm_ptr, cos1, cos2, sin1, sin2, eps, channel1, channel2, mask, HEAD_DIM, QK_NORM, OFFSET,
-                      CLOCKWISE, FP32)
+                      WEIGHT_FIRST, CLOCKWISE, FP32)
     else:
         heads = (block - q_blocks) * HEADS + tl.arange(0, HEADS)
         head_mask = heads < num_kv_heads
         k1, k2 = _rotate_heads(k_ptr + b * stride_kb + s * stride_ks, stride_kh, stride_kd, heads, head_mask,
                                k_norm_ptr, cos1, cos2, sin1, sin2, eps, channel1, channel2, mask, HEAD_DIM, QK_NORM,
-                               OFFSET, CLOCKWISE, FP32)
+                               OFFSET, WEIGHT_FIRST, CLOCKWISE, FP32)
         if WRITE_CACHE:
             pos = tl.load(positions_ptr + b * stride_pb) + s
             # Memory safety only: a position past the cache is dropped (checking it would need a host sync).
@@ -163,7 +168,7 @@ def heads_per_program(num_q_heads: int, num_kv_heads: int, half_block: int) -> i
 
 
 def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions, offset,
-            interleaved, pair_angles, clockwise, fp32) -> None:
+            weight_first, interleaved, pair_angles, clockwise, fp32) -> None:
     batch, num_q_heads, seq_len, head_dim = q.shape
     num_kv_heads = k.shape[1]
     qk_norm = q_norm_weight is not None
@@ -182,7 +187,7 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
         seq_len, num_q_heads, num_kv_heads, k_cache.shape[2], eps, positions.stride(0) if write_cache else 0,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=head_dim, HALF_BLOCK=half_block, HEADS=heads, QK_NORM=qk_norm,
-        OFFSET=offset, WRITE_CACHE=write_cache, num_warps=max(1, min(4, heads * half_block // 128)),
+        OFFSET=offset, WEIGHT_FIRST=weight_first, WRITE_CACHE=write_cache, num_warps=max(1, min(4, heads * half_block // 128)),
         INTERLEAVED=interleaved, PAIR_ANGLES=pair_angles, CLOCKWISE=clockwise, FP32=fp32, **launch_options(q),
     )
 
@@ -192,20 +197,20 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
 @torch.library.triton_op("optiq::rope", mutates_args={"q", "k"})
 def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-             eps: float = 1e-6, offset: bool = False, interleaved: bool = False, pair_angles: bool = False,
-             clockwise: bool = False, fp32: bool = False) -> None:
-    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, None, None, None, None, offset, interleaved,
-            pair_angles, clockwise, fp32)
+             eps: float = 1e-6, offset: bool = False, weight_first: bool = False, interleaved: bool = False,
+             pair_angles: bool = False, clockwise: bool = False, fp32: bool = False) -> None:
+    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, None, None, None, None, offset, weight_first,
+            interleaved, pair_angles, clockwise, fp32)
 
 
 @torch.library.triton_op("optiq::rope_cached", mutates_args={"q", "k", "k_cache", "v_cache"})
 def _rope_cached_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                    eps: float = 1e-6, offset: bool = False, interleaved: bool = False, pair_angles: bool = False,
-                    clockwise: bool = False, fp32: bool = False) -> None:
-    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions, offset, interleaved,
-            pair_angles, clockwise, fp32)
+                    eps: float = 1e-6, offset: bool = False, weight_first: bool = False, interleaved: bool = False,
+                    pair_angles: bool = False, clockwise: bool = False, fp32: bool = False) -> None:
+    _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions, offset, weight_first,
+            interleaved, pair_angles, clockwise, fp32)
 
 
 def rope(
@@ -221,6 +226,7 @@ def rope(
     v_cache: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     offset: bool = False,
+    weight_first: bool = False,
     *,
     interleaved: bool = False,
     pair_angles: bool = False,
@@ -233,7 +239,8 @@ def rope(
     pair i turns by column i). By default Llama's layout: channel i pairs with i + D/2, x1 cos - x2 sin and
     x2 cos + x1 sin, each product rounded to the model dtype; ``interleaved`` pairs 2i with 2i + 1, ``clockwise``
     turns the other way, ``fp32`` keeps the products in fp32 and rounds once. With q_norm_weight and k_norm_weight
-    ([D]), Qwen3's per-head RMSNorm with `eps` runs first (Gemma 3's, scaling by 1 + w, with `offset`). With k_cache,
+    ([D]), Qwen3's per-head RMSNorm with `eps` runs first (Gemma 3's, scaling by 1 + w, with `offset`; scaling by w
+    before its rounding with `weight_first`, as rmsnorm's). With k_cache,
     v_cache [B, Hkv, L, D], positions [B] (int64, the cache slot of each sequence's first token; any stride, so a
     static cache's one fill counter expanded to [B] serves) and v [B, Hkv, S, D], token s of sequence b also lands in
     the cache at slot positions[b] + s.
@@ -248,10 +255,10 @@ def rope(
     if len({x is None for x in (v, k_cache, v_cache, positions)}) != 1:
         raise ValueError("give all of v, k_cache, v_cache and positions, or none")
     if k_cache is None:
-        torch.ops.optiq.rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset, *layout)
+        torch.ops.optiq.rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset, weight_first, *layout)
     else:
         torch.ops.optiq.rope_cached(q, k, cos, sin, v, k_cache, v_cache, positions, q_norm_weight, k_norm_weight, eps,
-                                    offset, *layout)
+                                    offset, weight_first, *layout)
     return q, k
 
 
@@ -319,16 +326,6 @@ def trailing_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     turned = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * turn).flatten(-2)
     return torch.cat([x[..., :-rotated], turned.to(x.dtype)], dim=-1)
 
-def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
-    """HF's Qwen3RMSNorm: fp32 (or the input's float64) statistics, cast back, then the weight in the model dtype;
-    or Gemma3RMSNorm (offset): the statistics times 1 + w in fp32, cast once."""
-    x_wide = x if x.dtype == torch.float64 else x.to(torch.float32)
-    normed = x_wide * torch.rsqrt(x_wide.pow(2).mean(-1, keepdim=True) + eps)
-    if offset:
-        return (normed * (1.0 + weight.to(x_wide.dtype))).to(x.dtype)
-    return weight * normed.to(x.dtype)
-
-
 def _pairs(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The first and second channels of every pair along the last dim."""
     return (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
@@ -349,10 +346,10 @@ def _turn(x, cos, sin, interleaved=False, pair_angles=False, clockwise=False, fp
     return out.to(x.dtype)
 
 
-def _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset=False, **layout):
+def _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset=False, weight_first=False, **layout):
     """HF's attention forward from the projections to the rotated q, k (apply_rotary_pos_emb, unsqueeze_dim=1)."""
     if q_norm_weight is not None:
-        q, k = (_rms_norm_reference(x, w, eps, offset) for x, w in ((q, q_norm_weight), (k, k_norm_weight)))
+        q, k = (rmsnorm_reference(x, w, eps, offset, weight_first) for x, w in ((q, q_norm_weight), (k, k_norm_weight)))
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return _turn(q, cos, sin, **layout), _turn(k, cos, sin, **layout)
 
@@ -370,10 +367,11 @@ def rope_reference(
     v_cache: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     offset: bool = False,
+    weight_first: bool = False,
     **layout: bool,
 ) -> tuple[torch.Tensor, ...]:
     """Out of place: (q, k) or, with a cache, (q, k, k_cache, v_cache) as new tensors; ``layout`` as rope's."""
-    q_out, k_out = _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset, **layout)
+    q_out, k_out = _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset, weight_first, **layout)
     if k_cache is None:
         return q_out, k_out
     k_cache, v_cache = k_cache.clone(), v_cache.clone()

@@ -33,6 +33,10 @@ def _layer0(model_spec: str) -> tuple[dict[str, str], str]:
                           "self_attn": "attention", "self_attn.q_proj": "qkv_proj", "self_attn.k_proj": "qkv_proj",
                           "self_attn.v_proj": "qkv_proj", "self_attn.o_proj": "o_proj",
                           "self_attn.q_norm": "qk_norm", "self_attn.k_norm": "qk_norm", "mlp": "mlp"}),
+    ("tiny:olmo2", {"post_attention_layernorm": "branch_norm", "post_feedforward_layernorm": "branch_norm",
+                    "self_attn": "attention", "self_attn.q_proj": "qkv_proj", "self_attn.k_proj": "qkv_proj",
+                    "self_attn.v_proj": "qkv_proj", "self_attn.o_proj": "o_proj", "self_attn.q_norm": "norm",
+                    "self_attn.k_norm": "norm", "mlp": "mlp"}),  # post-norm; q and k normed over all heads at once
 ])
 def test_roles_of_a_decoder_layer(spec, expected):
     roles, _ = _layer0(spec)

@@ -323,10 +323,11 @@ def test_projections_that_quantise_on_the_way_are_not_one_gemm():
     assert qkv_projections(attention) is None
 
 
-@pytest.mark.parametrize("spec", ["tiny:gemma3_text", "tiny:gemma2", "tiny:glm4"])
+@pytest.mark.parametrize("spec", ["tiny:gemma3_text", "tiny:gemma2", "tiny:glm4", "tiny:olmo2", "tiny:flex_olmo"])
 def test_sandwich_norm_layers_are_found_and_their_mutants_killed(spec):
-    """Gemma's and GLM-4's placements of the four norms, on both passes of the gate with every mutant (the row swap
-    among them: the kernel runs twice a layer); a pre-norm layer is not a sandwich."""
+    """Gemma's and GLM-4's placements of the four norms and OLMo 2's post-norms (two, after the branches; FlexOlmo's
+    around a MoE), on both passes of the gate with every mutant (the row swap among them: the kernel runs twice a
+    layer); a pre-norm layer is not a sandwich."""
     model = load_model(spec, torch.float32, torch.device("cpu"))
     assert all(sandwich_norm_decoder_layer(layer) for layer in model.model.layers)
     assert not any(pre_norm_decoder_layer(layer) for layer in model.model.layers)

@@ -157,6 +157,23 @@ def test_graph_mode_gate_keeps_qkv_proj_inside_the_attentions_own_forward(spec):
     assert report.recipes["qkv_proj"].calls > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph mode needs CUDA")
+@pytest.mark.parametrize("spec, recipes", [
+    ("tiny:olmo2", ("rmsnorm", "sandwich_norm")),  # post-norm layers, q and k normed over all heads
+    ("tiny:ergo", ("rmsnorm", "attention_prologue")),  # per-head q/k norms
+])
+def test_graph_mode_gate_keeps_norms_that_round_after_their_weight(spec, recipes):
+    """Norms that scale the fp32 normalised row by their weight and round once (OLMo 2's, Ergo's), a rounding
+    apart from Llama's order, which bf16 shows: each fused kernel that computes them (the row norm, the branch norm
+    with its residual add, the q/k norms before the rotation) is kept in bf16, every site in use."""
+    model = load_model(spec, torch.bfloat16, torch.device("cuda"))
+    catalog = load_catalog()
+    patches = apply(model, [catalog[name] for name in recipes])
+    report = validate(patches, GatePlan(concurrencies=(1, 16), steps=8, prompt_len=5, mode="graph"))
+    assert report.passed and not report.rolled_back, report
+    assert all(report.recipes[name].calls > 0 for name in recipes), report.recipes
+
+
 @pytest.mark.parametrize("preset, base, fusion", [
     ("tiny-qwen3-moe", "moe_experts", "wrong_kernels:experts_first_choice_only"),
     ("tiny-deepseek-v2", "moe_experts", "wrong_kernels:experts_first_choice_only"),

@@ -201,10 +201,9 @@ def qkv_projections(module: torch.nn.Module) -> ProjectionsSite | None:
 @dataclass(frozen=True)
 class AttentionSite:
     """A llama-family attention: its Q, K and V projections apart (``fused_sizes`` empty) or one ``qkv_proj`` of
-    those three widths (Phi-3), and per-head q/k RMSNorms (``qk_norm``; Gemma's scale by 1 + w: ``norm_offset``) or
+    those three widths (Phi-3), and per-head q/k RMSNorms of one kind (``qk_norm``, the site both norms are) or
     none."""
-    qk_norm: bool
-    norm_offset: bool
+    qk_norm: NormSite | None
     fused_sizes: tuple[int, ...] = ()
 
 
@@ -238,12 +237,11 @@ def qkv_attention(module: torch.nn.Module) -> AttentionSite | None:
         return None
     q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
     if q_norm is None and k_norm is None:
-        return AttentionSite(qk_norm=False, norm_offset=False, fused_sizes=fused_sizes)
+        return AttentionSite(qk_norm=None, fused_sizes=fused_sizes)
     sites = [rms_norm(n) if isinstance(n, torch.nn.Module) else None for n in (q_norm, k_norm)]
-    if None in sites or sites[0].offset != sites[1].offset or sites[0].eps_attribute != sites[1].eps_attribute or any(
-            n.weight.shape != (module.head_dim,) for n in (q_norm, k_norm)):
+    if None in sites or sites[0] != sites[1] or any(n.weight.shape != (module.head_dim,) for n in (q_norm, k_norm)):
         return None
-    return AttentionSite(qk_norm=True, norm_offset=sites[0].offset, fused_sizes=fused_sizes)
+    return AttentionSite(qk_norm=sites[0], fused_sizes=fused_sizes)
 
 
 def pre_norm_decoder_layer(module: torch.nn.Module) -> NormSite | None:
@@ -265,33 +263,40 @@ def pre_norm_decoder_layer(module: torch.nn.Module) -> NormSite | None:
 
 @dataclass(frozen=True)
 class SandwichSite:
-    """A sandwich-norm layer's norms by attribute name: the attention output's, the MLP input's and the MLP
-    output's (the layer's input norm is ``input_layernorm``); all of them RMSNorms of one eps and one offset."""
+    """A layer's norms around its branches by attribute name: the attention input's (``input``), the attention
+    output's, the MLP input's (``pre_mlp``) and the MLP output's, "" where the layer has none (a post-norm layer
+    normalises each branch's output only); all of them RMSNorms of one kind and one eps (``norm``)."""
+    input: str
     post_attention: str
     pre_mlp: str
     post_mlp: str
     norm: NormSite
 
 
-# (attention output, MLP input, MLP output) norms of the sandwich layers in transformers
-SANDWICH_PLACEMENTS = (("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),  # Gemma
-                       ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"))  # GLM-4
+# (attention input, attention output, MLP input, MLP output) norms of the layers in transformers that normalise
+# their branches' outputs
+SANDWICH_PLACEMENTS = (
+    ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),  # Gemma
+    ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),  # GLM-4
+    ("", "post_attention_layernorm", "", "post_feedforward_layernorm"),  # OLMo 2 and 3: post-norm
+)
 
 
 def sandwich_norm_decoder_layer(module: torch.nn.Module) -> SandwichSite | None:
-    """A decoder layer whose attention and MLP each sit between two RMSNorms (Gemma 2 and 3, GLM-4):
-    ``input_layernorm``, ``self_attn``, ``mlp`` and one of SANDWICH_PLACEMENTS' norm triples, and no other child
-    (Gemma 3n's AltUp and Laurel blocks are other layers), every norm of one eps and offset."""
+    """A decoder layer that normalises each branch's output before its residual add (Gemma 2 and 3, GLM-4 between
+    two norms a branch; OLMo 2 and 3 after it only): ``self_attn``, ``mlp`` and one of SANDWICH_PLACEMENTS' norms,
+    and no other child (Gemma 3n's AltUp and Laurel blocks are other layers), every norm of one kind and eps."""
     names = dict(module.named_children())
     for placement in SANDWICH_PLACEMENTS:
-        if set(names) != {"input_layernorm", "self_attn", "mlp", *placement}:
+        present = [name for name in placement if name]
+        if set(names) != {"self_attn", "mlp", *present}:
             continue
-        norms = [names[name] for name in ("input_layernorm", *placement)]
+        norms = [names[name] for name in present]
         sites = [rms_norm(norm) for norm in norms]
-        if None in sites or len({site.offset for site in sites}) != 1 or len(
+        if None in sites or len({(site.offset, site.weight_first) for site in sites}) != 1 or len(
                 {getattr(norm, site.eps_attribute) for norm, site in zip(norms, sites)}) != 1:
             return None
-        return SandwichSite(*placement, norm=sites[1])
+        return SandwichSite(*placement, norm=sites[0])
     return None
 
 

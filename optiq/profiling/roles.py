@@ -10,7 +10,9 @@ norm a head wide ``qk_norm``. Inside the MLP, a module holding one weight per ex
 list as long as the expert count) is ``experts``, a matrix with a row per expert ``moe_router``, a dense MLP beside
 them (shared experts) ``mlp``. Of a layer's norms the first is ``norm``; with exactly two, the second is
 ``post_attn_norm`` (the norm after the residual add that add_rmsnorm fuses); with more (Gemma's and GLM-4's
-four: a norm on each side of each branch), the others are ``branch_norm``, which sandwich_norm fuses with the adds.
+four: a norm on each side of each branch), the others are ``branch_norm``, which sandwich_norm fuses with the adds,
+and so are both of a post-norm layer's two (OLMo 2's, each after its branch: no input norm, as
+``structure.sandwich_norm_decoder_layer`` finds it).
 
 Hyper-connections (DeepSeek-V4's mHC) keep several residual streams: a module whose own weight matrix reads all of
 them (an input width that is a multiple of the hidden size) is ``mhc``, wherever it sits, and is neither the layer's
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from optiq.patching.structure import EPS_ATTRIBUTES
+from optiq.patching.structure import EPS_ATTRIBUTES, sandwich_norm_decoder_layer
 from optiq.zoo import ATTENTION_LAYER_TYPES, config_value
 
 
@@ -100,9 +102,10 @@ def _layer_roles(layer: torch.nn.Module, prefix: str, kind: str, config, roles: 
     for name in mixers:
         roles[f"{prefix}.{name}"] = "mhc"
     parts = [(name, child) for name, child in children if name not in norms + mixers and _computes(child)]
+    post_norm = len(norms) == 2 and (site := sandwich_norm_decoder_layer(layer)) is not None and not site.input
     for position, name in enumerate(norms):
-        roles[f"{prefix}.{name}"] = ("norm" if position == 0 else "post_attn_norm" if len(norms) == 2
-                                     else "branch_norm")
+        roles[f"{prefix}.{name}"] = ("branch_norm" if post_norm or position and len(norms) > 2 else
+                                     "norm" if position == 0 else "post_attn_norm")
     if not parts:
         return
     mixer_name, mixer = parts[0]

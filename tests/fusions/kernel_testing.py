@@ -9,6 +9,9 @@ import torch
 CUDA = torch.cuda.is_available()
 SMALL_DEVICE = "cuda" if CUDA else "cpu"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+# (offset, weight_first) of a norm kernel: where the weight applies and where the result is rounded, as HF's norms do
+NORM_KINDS = pytest.mark.parametrize("offset, weight_first", [(False, False), (True, False), (False, True)],
+                                     ids=["llama", "gemma", "olmo2"])
 # torch.library.opcheck's checks that can run here: the interpreter cannot run under fake tensors (torch's wrap_triton
 # launches an interpreted kernel directly), so the fake-tensor and AOT checks run on CUDA only.
 OPCHECKS = {} if CUDA else {"test_utils": ("test_schema", "test_autograd_registration")}

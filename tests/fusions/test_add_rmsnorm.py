@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from optiq.fusions.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference, norm_add_rmsnorm, norm_add_rmsnorm_reference
-from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
+from kernel_testing import (NORM_KINDS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda,
+                            seed_of)
 
 # The sum is rounded to the model dtype, then the norm rounds twice; the interpreter truncates.
 TOLERANCE = {
@@ -65,8 +66,7 @@ def test_rejects_mismatched_residual():
 
 
 @needs_cuda
-@pytest.mark.parametrize("offset, weight_first", [(False, False), (True, False), (False, True)],
-                         ids=["llama", "gemma", "olmo2"])
+@NORM_KINDS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 16, 64, 256])
 @pytest.mark.parametrize("hidden", [1024, 2048, 4096])
@@ -90,10 +90,10 @@ def test_cuda_graph_and_compile(request):
         lambda: x.copy_(make_inputs((16, 4096), torch.bfloat16, "cuda", seed_of(request) + 1)[0]))
 
 
-def check_sandwich(outputs, x, residual, branch_weight, weight, offset):
+def check_sandwich(outputs, x, residual, branch_weight, weight, offset, weight_first=False):
     """norm_add_rmsnorm against its float64 reference: the normed sum (when asked for) and the new residual."""
     expected = norm_add_rmsnorm_reference(x.double(), residual.double(), branch_weight.double(),
-                                          None if weight is None else weight.double(), EPS, offset)
+                                          None if weight is None else weight.double(), EPS, offset, weight_first)
     assert (outputs[0] is None) == (weight is None)
     for name, out, want in zip(("normed", "new_residual"), outputs, expected):
         if want is not None:
@@ -101,15 +101,15 @@ def check_sandwich(outputs, x, residual, branch_weight, weight, offset):
 
 
 @pytest.mark.parametrize("normalise_sum", [True, False])
-@pytest.mark.parametrize("offset", [False, True])
+@NORM_KINDS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 80), (2, 3, 48)])
-def test_norm_add_rmsnorm_matches_reference_small(request, shape, dtype, offset, normalise_sum):
+def test_norm_add_rmsnorm_matches_reference_small(request, shape, dtype, offset, weight_first, normalise_sum):
     x, residual, weight = make_inputs(shape, dtype, SMALL_DEVICE, seed_of(request))
     branch_weight = make_inputs(shape, dtype, SMALL_DEVICE, seed_of(request) + 1)[2]
     weight = weight if normalise_sum else None
-    check_sandwich(norm_add_rmsnorm(x, residual, branch_weight, weight, EPS, offset), x, residual, branch_weight,
-                   weight, offset)
+    check_sandwich(norm_add_rmsnorm(x, residual, branch_weight, weight, EPS, offset, weight_first), x, residual,
+                   branch_weight, weight, offset, weight_first)
 
 
 def test_norm_add_rmsnorm_without_its_branch_norm_fails_the_check(request):
@@ -124,17 +124,17 @@ def test_norm_add_rmsnorm_without_its_branch_norm_fails_the_check(request):
 
 @needs_cuda
 @pytest.mark.parametrize("normalise_sum", [True, False])
-@pytest.mark.parametrize("offset", [False, True])
+@NORM_KINDS
 @pytest.mark.parametrize("rows", [1, 16, 64])
-@pytest.mark.parametrize("hidden", [1152, 2304, 4096])  # gemma-3-1b, gemma-2-2b, glm-4-9b
-def test_norm_add_rmsnorm_matches_reference_cuda(request, hidden, rows, offset, normalise_sum):
+@pytest.mark.parametrize("hidden", [1152, 2048, 2304, 4096])  # gemma-3-1b, olmo-2-1b, gemma-2-2b, glm-4-9b
+def test_norm_add_rmsnorm_matches_reference_cuda(request, hidden, rows, offset, weight_first, normalise_sum):
     x, residual, weight = make_inputs((rows, hidden), torch.bfloat16, "cuda", seed_of(request))
     branch_weight = make_inputs((rows, hidden), torch.bfloat16, "cuda", seed_of(request) + 1)[2]
     weight = weight if normalise_sum else None
-    outputs = norm_add_rmsnorm(x, residual, branch_weight, weight, EPS, offset)
-    check_sandwich(outputs, x, residual, branch_weight, weight, offset)
+    outputs = norm_add_rmsnorm(x, residual, branch_weight, weight, EPS, offset, weight_first)
+    check_sandwich(outputs, x, residual, branch_weight, weight, offset, weight_first)
     # the same roundings as the eager sequence: the new residual agrees but for rare rounding-boundary cases
-    eager = norm_add_rmsnorm_reference(x, residual, branch_weight, weight, EPS, offset)
+    eager = norm_add_rmsnorm_reference(x, residual, branch_weight, weight, EPS, offset, weight_first)
     assert (outputs[1] != eager[1]).float().mean() < 1e-3
 
 

@@ -7,7 +7,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from optiq.fusions.rmsnorm import rmsnorm, rmsnorm_reference
-from kernel_testing import SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
+from kernel_testing import NORM_KINDS, SMALL_DEVICE, assert_graph_replay_and_compile, needs_cuda, seed_of
 
 # bf16/fp16 round twice (normed, then times weight); the interpreter truncates instead of rounding.
 TOLERANCE = {
@@ -16,9 +16,6 @@ TOLERANCE = {
     torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
 }
 EPS = 1e-6
-# (offset, weight_first): where the weight applies and where the result is rounded, as HF's norms do it
-KINDS = pytest.mark.parametrize("offset, weight_first", [(False, False), (True, False), (False, True)],
-                                ids=["llama", "gemma", "olmo2"])
 
 
 def make_inputs(shape, dtype, device, seed):
@@ -41,7 +38,7 @@ def run_poisoned(x, weight, eps, offset, weight_first=False):
     return out
 
 
-@KINDS
+@NORM_KINDS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(3, 80), (1, 64), (2, 3, 48)])
 def test_matches_reference_small(request, shape, dtype, offset, weight_first):
@@ -89,7 +86,7 @@ def test_reference_is_hf(request, dtype):
 
 
 @needs_cuda
-@KINDS
+@NORM_KINDS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 16, 64, 256])
 @pytest.mark.parametrize("hidden", [1024, 2048, 4096])

@@ -129,6 +129,29 @@ def test_rounding_as_the_eager_code_rounds_cpu(fp32):
     assert not all(torch.equal(got, want) for got, want in zip(results, eager[not fp32]))
 
 
+NORM_KINDS = {"qwen3": {}, "gemma3": dict(offset=True), "gemma4": dict(weight_first=True)}  # rmsnorm's orders
+
+
+@pytest.mark.parametrize("kind", NORM_KINDS)
+def test_qk_norm_rounds_as_its_kind(kind):
+    """Each kind of per-head norm (w after the rounding, 1 + w before it, w before it) is computed in its own rounding
+    order: in fp16 on the CPU (the interpreter rounds as torch does) and bf16 on the GPU, the kernel's q and k equal
+    the eager sequence of that kind in all but rare rounding-boundary elements, and differ from each other kind's
+    in many more (the orders are a rounding apart, which the gate sees in bf16)."""
+    dtype = torch.float16 if SMALL_DEVICE == "cpu" else torch.bfloat16
+    case = Case(seed=74, batch=8, heads_q=8, heads_kv=4, seq=1, head_dim=32, dtype=dtype, device=SMALL_DEVICE,
+                qk_norm=True)
+    eager = {name: rope_reference(case.q.clone(), case.k.clone(), case.cos, case.sin, *case.norms, EPS, **switches)
+             for name, switches in NORM_KINDS.items()}
+    case.layout = NORM_KINDS[kind]
+    results = case.run()
+    differing = {name: sum((got != want).sum().item() for got, want in zip(results, expected))
+                 for name, expected in eager.items()}
+    elements = sum(t.numel() for t in results)
+    assert differing[kind] <= 0.01 * elements, differing
+    assert all(count >= 10 * max(differing[kind], 1) for name, count in differing.items() if name != kind), differing
+
+
 def test_odd_head_dim_decode_cpu():
     """head_dim 20: each half (10) pads to a 16-wide block, so every load and store is masked."""
     case = Case(seed=20, batch=2, heads_q=6, heads_kv=3, seq=1, head_dim=20, dtype=torch.float32, device="cpu",

@@ -12,7 +12,7 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from optiq.patching.structure import qkv_attention, qkv_projections, rms_norm, rotary_layout
+from optiq.patching.structure import qkv_attention, qkv_projections, rotary_layout
 
 
 def _concatenated(projections) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
@@ -141,8 +141,8 @@ def attention_prologue_forward(attn: torch.nn.Module, fusion):
     a layout rope does not know take the module's own forward."""
     weight, bias, sizes = _fused_qkv_weights(attn)
     site = qkv_attention(attn)
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    eps = rms_norm(q_norm).eps_attribute if site.qk_norm else ""
+    q_norm, k_norm, norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), site.qk_norm
+    rounding = norm.rounding() if norm else {}
     own_forward = type(attn).forward.__get__(attn)
     modeling = sys.modules[type(attn).__module__]
 
@@ -158,11 +158,11 @@ def attention_prologue_forward(attn: torch.nn.Module, fusion):
                 _advance(cache, hidden_states.shape[1])
             return out
         cos, sin = position_embeddings
-        norms = (q_norm.weight, k_norm.weight, getattr(q_norm, eps), site.norm_offset) if site.qk_norm else ()
+        norms = (q_norm.weight, k_norm.weight, getattr(q_norm, norm.eps_attribute), norm.offset) if norm else ()
         _pop_cache(kwargs)
         batch, length = hidden_states.shape[:2]
         q = fusion(hidden_states, weight, sizes, bias, attn.head_dim, cos, sin, layer.keys, layer.values,
-                   layer.cumulative_length.expand(batch), *norms, **layout.switches())
+                   layer.cumulative_length.expand(batch), *norms, **rounding, **layout.switches())
         _WRITTEN.setdefault(cache, []).append(layer.cumulative_length)
         if layer is layers[-1]:
             _advance(cache, length)

@@ -35,20 +35,25 @@ def add_rmsnorm_forward(layer: torch.nn.Module, fusion):
 
 
 def sandwich_norm_forward(layer: torch.nn.Module, fusion):
-    """A sandwich-norm decoder layer (Gemma 2 and 3, GLM-4) with each branch's output norm, its residual add and the
-    next norm in one kernel: after the attention, norm + add + the MLP's input norm; after the MLP, norm + add (the
-    next layer's input norm is its own). Six row kernels a layer become three with the input norm."""
+    """A decoder layer that normalises its branches' outputs (Gemma 2 and 3, GLM-4, OLMo 2) with each branch's
+    output norm, its residual add and the next norm in one kernel: after the attention, norm + add + the MLP's input
+    norm (norm + add where the MLP has no input norm); after the MLP, norm + add (the next layer's input norm, if it
+    has one, is its own). Six row kernels a sandwich layer become three with the input norm, a post-norm layer's
+    four become two."""
     site = sandwich_norm_decoder_layer(layer)
     if site is None:
-        raise ValueError(f"{type(layer).__name__} is not a decoder layer with sandwich RMSNorms")
-    post_attention, pre_mlp, post_mlp = (getattr(layer, name) for name in (site.post_attention, site.pre_mlp,
-                                                                          site.post_mlp))
+        raise ValueError(f"{type(layer).__name__} is not a decoder layer with RMSNorms on its branches' outputs")
+    input_norm, post_attention, pre_mlp, post_mlp = (getattr(layer, name) if name else None for name in (
+        site.input, site.post_attention, site.pre_mlp, site.post_mlp))
+    rounding = site.norm.rounding()
 
     def forward(hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-        attn_out = branch_output(layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs))
-        eps = getattr(pre_mlp, site.norm.eps_attribute)
-        normed, residual = fusion(attn_out, hidden_states, post_attention.weight, pre_mlp.weight, eps,
-                                  site.norm.offset)
-        return fusion(branch_output(layer.mlp(normed)), residual, post_mlp.weight, None, eps, site.norm.offset)[1]
+        attn_in = input_norm(hidden_states) if input_norm is not None else hidden_states
+        attn_out = branch_output(layer.self_attn(hidden_states=attn_in, **kwargs))
+        eps = getattr(post_attention, site.norm.eps_attribute)
+        normed, residual = fusion(attn_out, hidden_states, post_attention.weight,
+                                  pre_mlp.weight if pre_mlp is not None else None, eps, site.norm.offset, **rounding)
+        mlp_out = branch_output(layer.mlp(residual if normed is None else normed))
+        return fusion(mlp_out, residual, post_mlp.weight, None, eps, site.norm.offset, **rounding)[1]
 
     return forward
