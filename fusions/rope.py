@@ -6,7 +6,8 @@ folded into the same kernel:
 
 - Qwen3's per-head RMSNorm (`q_norm`, `k_norm` over head_dim) applied before the rotation, or Gemma 3's, whose
   weight is an offset from one (`offset`: the fp32 statistics times 1 + w, rounded once, as Gemma's norm rounds), or
-  Gemma 4's and AFMoE's, which scale the fp32 statistics by w and round once (`weight_first`, rmsnorm's orders);
+  Ergo's, which scale the fp32 statistics by w and round once (`weight_first`, rmsnorm's orders); or OLMo 2's, one
+  norm over all the heads of q (and one over k's), whose weight is as wide as they are;
 - writing the rotated k and the v straight into a static KV cache at per-sequence positions (what HF's
   `StaticCache.update` does with two `index_copy_` calls).
 
@@ -58,11 +59,27 @@ def _rounded_product(a, b, dtype: tl.constexpr, FP32: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, stride_d, heads, head_mask, w_ptr, cos1, cos2, sin1, sin2, eps, channel1,
-                  channel2, mask, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, OFFSET: tl.constexpr,
-                  WEIGHT_FIRST: tl.constexpr, CLOCKWISE: tl.constexpr, FP32: tl.constexpr):
-    """Norm (optionally) and rotate a block of head vectors in place, pair p being channels channel1[p] and
-    channel2[p]; return the rotated channels of each pair [heads, pairs] (fp32, model-dtype values)."""
+def _squares_across_heads(x_ptr, stride_h, stride_d, num_heads, channel1, channel2, mask, HEADS: tl.constexpr):
+    """The sum of squares of a token's whole row of heads (fp32), read a block of HEADS heads at a time."""
+    total = 0.0
+    for start in range(0, num_heads, HEADS):
+        heads = start + tl.arange(0, HEADS)
+        tile_mask = (heads < num_heads)[:, None] & mask[None, :]
+        row = x_ptr + heads[:, None] * stride_h
+        x1 = tl.load(row + channel1[None, :] * stride_d, mask=tile_mask, other=0.0).to(tl.float32)
+        x2 = tl.load(row + channel2[None, :] * stride_d, mask=tile_mask, other=0.0).to(tl.float32)
+        total += tl.sum(tl.sum(x1 * x1 + x2 * x2, axis=1), axis=0)
+    return total
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_h, stride_d, heads, num_heads, head_mask, w_ptr, cos1, cos2, sin1, sin2, eps,
+                  channel1, channel2, mask, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, QK_NORM: tl.constexpr,
+                  ACROSS_HEADS: tl.constexpr, OFFSET: tl.constexpr, WEIGHT_FIRST: tl.constexpr,
+                  CLOCKWISE: tl.constexpr, FP32: tl.constexpr):
+    """Norm (optionally: each head, or the whole row of heads when ACROSS_HEADS, its weight as wide) and rotate a
+    block of head vectors in place, pair p being channels channel1[p] and channel2[p]; return the rotated channels
+    of each pair [heads, pairs] (fp32, model-dtype values)."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     tile_mask = head_mask[:, None] & mask[None, :]
     first = x_ptr + heads[:, None] * stride_h + channel1[None, :] * stride_d
@@ -70,9 +87,16 @@ def _rotate_heads(x_ptr, stride_h, stride_d, heads, head_mask, w_ptr, cos1, cos2
     x1 = tl.load(first, mask=tile_mask, other=0.0).to(tl.float32)
     x2 = tl.load(second, mask=tile_mask, other=0.0).to(tl.float32)
     if QK_NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
-        w1 = tl.load(w_ptr + channel1, mask=mask, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + channel2, mask=mask, other=0.0).to(tl.float32)[None, :]
+        if ACROSS_HEADS:
+            squares = _squares_across_heads(x_ptr, stride_h, stride_d, num_heads, channel1, channel2, mask, HEADS)
+            rstd = tl.rsqrt(squares / (num_heads * HEAD_DIM) + eps)
+            w_row = w_ptr + heads[:, None] * HEAD_DIM
+            w1 = tl.load(w_row + channel1[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+            w2 = tl.load(w_row + channel2[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+        else:
+            rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+            w1 = tl.load(w_ptr + channel1, mask=mask, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(w_ptr + channel2, mask=mask, other=0.0).to(tl.float32)[None, :]
         if OFFSET:
             x1 = _round((1.0 + w1) * (x1 * rstd), dtype)
             x2 = _round((1.0 + w2) * (x2 * rstd), dtype)
@@ -103,7 +127,7 @@ def _rope_kernel(
     stride_kcb, stride_kch, stride_kcl, stride_kcd,
     stride_vcb, stride_vch, stride_vcl, stride_vcd,
     HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, HEADS: tl.constexpr, QK_NORM: tl.constexpr,
-    OFFSET: tl.constexpr, WEIGHT_FIRST: tl.constexpr, WRITE_CACHE: tl.constexpr, INTERLEAVED: tl.constexpr, PAIR_ANGLES: tl.constexpr,
+    ACROSS_HEADS: tl.constexpr, OFFSET: tl.constexpr, WEIGHT_FIRST: tl.constexpr, WRITE_CACHE: tl.constexpr, INTERLEAVED: tl.constexpr, PAIR_ANGLES: tl.constexpr,
     CLOCKWISE: tl.constexpr, FP32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (token, block of HEADS heads): the first cdiv(num_q_heads, HEADS) blocks are q's, the rest
@@ -134,15 +158,15 @@ def _rope_kernel(
 
     if block < q_blocks:
         heads = block * HEADS + tl.arange(0, HEADS)
-        _rotate_heads(q_ptr + b * stride_qb + s * stride_qs, stride_qh, stride_qd, heads, heads < num_q_heads,
-                      q_norm_ptr, cos1, cos2, sin1, sin2, eps, channel1, channel2, mask, HEAD_DIM, QK_NORM, OFFSET,
-                      WEIGHT_FIRST, CLOCKWISE, FP32)
+        _rotate_heads(q_ptr + b * stride_qb + s * stride_qs, stride_qh, stride_qd, heads, num_q_heads,
+                      heads < num_q_heads, q_norm_ptr, cos1, cos2, sin1, sin2, eps, channel1, channel2, mask,
+                      HEAD_DIM, HEADS, QK_NORM, ACROSS_HEADS, OFFSET, WEIGHT_FIRST, CLOCKWISE, FP32)
     else:
         heads = (block - q_blocks) * HEADS + tl.arange(0, HEADS)
         head_mask = heads < num_kv_heads
-        k1, k2 = _rotate_heads(k_ptr + b * stride_kb + s * stride_ks, stride_kh, stride_kd, heads, head_mask,
-                               k_norm_ptr, cos1, cos2, sin1, sin2, eps, channel1, channel2, mask, HEAD_DIM, QK_NORM,
-                               OFFSET, WEIGHT_FIRST, CLOCKWISE, FP32)
+        k1, k2 = _rotate_heads(k_ptr + b * stride_kb + s * stride_ks, stride_kh, stride_kd, heads, num_kv_heads,
+                               head_mask, k_norm_ptr, cos1, cos2, sin1, sin2, eps, channel1, channel2, mask,
+                               HEAD_DIM, HEADS, QK_NORM, ACROSS_HEADS, OFFSET, WEIGHT_FIRST, CLOCKWISE, FP32)
         if WRITE_CACHE:
             pos = tl.load(positions_ptr + b * stride_pb) + s
             # Memory safety only: a position past the cache is dropped (checking it would need a host sync).
@@ -172,6 +196,7 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
     batch, num_q_heads, seq_len, head_dim = q.shape
     num_kv_heads = k.shape[1]
     qk_norm = q_norm_weight is not None
+    across_heads = qk_norm and q_norm_weight.numel() != head_dim  # OLMo 2's: one norm over all of q's heads
     write_cache = k_cache is not None
     # Absent optional tensors are replaced by q: the kernel never touches them (the constexpr flags are off).
     q_norm_weight = q_norm_weight.contiguous() if qk_norm else q
@@ -186,7 +211,7 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
         q, k, v, cos, sin, q_norm_weight, k_norm_weight, k_cache, v_cache, positions,
         seq_len, num_q_heads, num_kv_heads, k_cache.shape[2], eps, positions.stride(0) if write_cache else 0,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *k_cache.stride(), *v_cache.stride(),
-        HEAD_DIM=head_dim, HALF_BLOCK=half_block, HEADS=heads, QK_NORM=qk_norm,
+        HEAD_DIM=head_dim, HALF_BLOCK=half_block, HEADS=heads, QK_NORM=qk_norm, ACROSS_HEADS=across_heads,
         OFFSET=offset, WEIGHT_FIRST=weight_first, WRITE_CACHE=write_cache, num_warps=max(1, min(4, heads * half_block // 128)),
         INTERLEAVED=interleaved, PAIR_ANGLES=pair_angles, CLOCKWISE=clockwise, FP32=fp32, **launch_options(q),
     )
@@ -240,7 +265,8 @@ def rope(
     x2 cos + x1 sin, each product rounded to the model dtype; ``interleaved`` pairs 2i with 2i + 1, ``clockwise``
     turns the other way, ``fp32`` keeps the products in fp32 and rounds once. With q_norm_weight and k_norm_weight
     ([D]), Qwen3's per-head RMSNorm with `eps` runs first (Gemma 3's, scaling by 1 + w, with `offset`; scaling by w
-    before its rounding with `weight_first`, as rmsnorm's). With k_cache,
+    before its rounding with `weight_first`, as rmsnorm's); weights as wide as all the heads ([Hq D] and [Hkv D])
+    norm each token's q and k over all their heads at once, as OLMo 2 does. With k_cache,
     v_cache [B, Hkv, L, D], positions [B] (int64, the cache slot of each sequence's first token; any stride, so a
     static cache's one fill counter expanded to [B] serves) and v [B, Hkv, S, D], token s of sequence b also lands in
     the cache at slot positions[b] + s.
@@ -252,6 +278,10 @@ def rope(
     layout = (interleaved, pair_angles, clockwise, fp32)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
+    if q_norm_weight is not None and (q_norm_weight.shape, k_norm_weight.shape) not in (
+            ((head_dim,), (head_dim,)), ((q.shape[1] * head_dim,), (k.shape[1] * head_dim,))):
+        raise ValueError(f"q and k norm weights {tuple(q_norm_weight.shape)}, {tuple(k_norm_weight.shape)} are "
+                         f"neither a head wide ({head_dim}) nor as wide as all of q's and k's heads")
     if len({x is None for x in (v, k_cache, v_cache, positions)}) != 1:
         raise ValueError("give all of v, k_cache, v_cache and positions, or none")
     if k_cache is None:
@@ -346,10 +376,19 @@ def _turn(x, cos, sin, interleaved=False, pair_angles=False, clockwise=False, fp
     return out.to(x.dtype)
 
 
+def _qk_norm_reference(x, weight, eps, offset, weight_first):
+    """x [B, H, S, D] normed per head, or over all of its heads at once where the weight is as wide as they are."""
+    if weight.numel() == x.shape[-1]:
+        return rmsnorm_reference(x, weight, eps, offset, weight_first)
+    row = x.transpose(1, 2).flatten(2)  # [B, S, H D], as the projection wrote it
+    return rmsnorm_reference(row, weight, eps, offset, weight_first).unflatten(2, x.shape[1::2]).transpose(1, 2)
+
+
 def _rope_eager(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, offset=False, weight_first=False, **layout):
     """HF's attention forward from the projections to the rotated q, k (apply_rotary_pos_emb, unsqueeze_dim=1)."""
     if q_norm_weight is not None:
-        q, k = (rmsnorm_reference(x, w, eps, offset, weight_first) for x, w in ((q, q_norm_weight), (k, k_norm_weight)))
+        q, k = (_qk_norm_reference(x, w, eps, offset, weight_first) for x, w in ((q, q_norm_weight),
+                                                                                 (k, k_norm_weight)))
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return _turn(q, cos, sin, **layout), _turn(k, cos, sin, **layout)
 

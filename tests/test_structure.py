@@ -258,6 +258,7 @@ def test_an_implementation_without_the_cap_runs_uncapped_and_so_does_the_kernel(
     ("tiny:gemma3_text", ["attention_prologue"], None),  # per-head q/k norms of 1 + w, sliding layers
     ("tiny:phi3", ["attention_prologue", "add_rmsnorm"], None),  # one fused qkv_proj
     ("tiny:granite", ["add_rmsnorm", "attention_prologue"], 0.22),  # Granite's residual and attention multipliers
+    ("tiny:olmo2", ["attention_prologue", "sandwich_norm"], None),  # q/k normed over all heads; post-norm layers
     ("tiny:deepseek_v32", ["add_rmsnorm"], None),  # its cache layers hold the indexer's keys beside the latent's
     ("tiny:gpt_oss", ["add_rmsnorm"], None),  # a MoE that returns its router scores beside the hidden states
     ("tiny:bailing_hybrid", ["add_rmsnorm"], None),  # linear-attention mixers that return the hidden states alone

@@ -147,8 +147,8 @@ def test_graph_mode_gate_checks_the_captured_patched_model(preset):
 @pytest.mark.parametrize("spec", ["tiny:qwen2", "tiny:olmo2"])
 def test_graph_mode_gate_keeps_qkv_proj_inside_the_attentions_own_forward(spec):
     """qkv_proj's per-call routing of the three projections is captured into the CUDA graph as the GEMM it chose
-    (qwen2's biases; olmo2's q and k normed over all heads, which attention_prologue's code does not compute), and
-    olmo2's norms, which apply their weight before rounding, in bf16 are kept too."""
+    (qwen2's biases; olmo2's q and k normed over all heads, left to the model's own forward here), and olmo2's
+    norms, which apply their weight before rounding, in bf16 are kept too."""
     model = load_model(spec, torch.bfloat16, torch.device("cuda"))
     catalog = load_catalog()
     patches = apply(model, [catalog[name] for name in ("qkv_proj", "decode_attention", "rmsnorm", "decode_linear")])
@@ -159,13 +159,14 @@ def test_graph_mode_gate_keeps_qkv_proj_inside_the_attentions_own_forward(spec):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="graph mode needs CUDA")
 @pytest.mark.parametrize("spec, recipes", [
-    ("tiny:olmo2", ("rmsnorm", "sandwich_norm")),  # post-norm layers, q and k normed over all heads
+    ("tiny:olmo2", ("rmsnorm", "sandwich_norm", "attention_prologue")),  # post-norms; q/k normed over all heads
     ("tiny:ergo", ("rmsnorm", "attention_prologue")),  # per-head q/k norms
 ])
 def test_graph_mode_gate_keeps_norms_that_round_after_their_weight(spec, recipes):
     """Norms that scale the fp32 normalised row by their weight and round once (OLMo 2's, Ergo's), a rounding
     apart from Llama's order, which bf16 shows: each fused kernel that computes them (the row norm, the branch norm
-    with its residual add, the q/k norms before the rotation) is kept in bf16, every site in use."""
+    with its residual add, the q/k norms before the rotation, per head or over all heads) is kept in bf16, every
+    site in use."""
     model = load_model(spec, torch.bfloat16, torch.device("cuda"))
     catalog = load_catalog()
     patches = apply(model, [catalog[name] for name in recipes])

@@ -201,8 +201,8 @@ def qkv_projections(module: torch.nn.Module) -> ProjectionsSite | None:
 @dataclass(frozen=True)
 class AttentionSite:
     """A llama-family attention: its Q, K and V projections apart (``fused_sizes`` empty) or one ``qkv_proj`` of
-    those three widths (Phi-3), and per-head q/k RMSNorms of one kind (``qk_norm``, the site both norms are) or
-    none."""
+    those three widths (Phi-3), and q/k RMSNorms of one kind (``qk_norm``, the site both norms are), each over one
+    head or over all of q's and all of k's heads (OLMo 2), or none."""
     qk_norm: NormSite | None
     fused_sizes: tuple[int, ...] = ()
 
@@ -222,8 +222,9 @@ def qkv_attention(module: torch.nn.Module) -> AttentionSite | None:
     """The attention that attention_prologue rewrites: ``q_proj``, ``k_proj`` and ``v_proj`` as qkv_projections
     finds them (or one linear ``qkv_proj`` whose width the config's heads account for) and a linear ``o_proj``, an
     int ``head_dim``, a ``layer_idx`` (its cache layer), a forward taking ``position_embeddings`` (HF's cos and sin),
-    and either no ``q_norm``/``k_norm`` or two RMSNorms over one head. What the forward does beyond that is not
-    looked at: the gate decides (a NoPE layer's missing rotation, a multiplier, fail it)."""
+    and either no ``q_norm``/``k_norm`` or two RMSNorms, both over one head or q's over all its heads and k's over
+    all of its own. What the forward does beyond that is not looked at: the gate decides (a NoPE layer's missing
+    rotation, a multiplier, fail it)."""
     fused = computes_linear(getattr(module, "qkv_proj", None))
     if not computes_linear(getattr(module, "o_proj", None)) or not (
             fused or qkv_projections(module) == ProjectionsSite(PROJECTION_NAMES[0])):
@@ -239,7 +240,10 @@ def qkv_attention(module: torch.nn.Module) -> AttentionSite | None:
     if q_norm is None and k_norm is None:
         return AttentionSite(qk_norm=None, fused_sizes=fused_sizes)
     sites = [rms_norm(n) if isinstance(n, torch.nn.Module) else None for n in (q_norm, k_norm)]
-    if None in sites or sites[0] != sites[1] or any(n.weight.shape != (module.head_dim,) for n in (q_norm, k_norm)):
+    if None in sites or sites[0] != sites[1]:
+        return None
+    all_heads = fused_sizes[:2] if fused else (module.q_proj.out_features, module.k_proj.out_features)
+    if (q_norm.weight.numel(), k_norm.weight.numel()) not in ((module.head_dim,) * 2, all_heads):
         return None
     return AttentionSite(qk_norm=sites[0], fused_sizes=fused_sizes)
 

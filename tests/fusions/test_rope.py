@@ -129,6 +129,36 @@ def test_rounding_as_the_eager_code_rounds_cpu(fp32):
     assert not all(torch.equal(got, want) for got, want in zip(results, eager[not fp32]))
 
 
+@pytest.mark.parametrize("offset, weight_first", [(False, False), (False, True)], ids=["llama", "olmo2"])
+def test_norm_across_all_heads(request, offset, weight_first):
+    """Norm weights as wide as all of q's heads and all of k's (OLMo 2's): each token's q normed over its whole row
+    of heads, k over its own, then rotated and k written to the cache, as the float64 reference says; statistics
+    taken per head with the same weights are not that."""
+    dtype = torch.float32 if SMALL_DEVICE == "cpu" else torch.bfloat16
+    case = Case(seed=76, batch=3, heads_q=6, heads_kv=3, seq=1, head_dim=16, dtype=dtype, device=SMALL_DEVICE,
+                qk_norm=True, positions=[2, 0, 4], cache_len=6, layout=dict(offset=offset, weight_first=weight_first))
+    case.norms = tuple(1 + 0.5 * case.randn(heads * 16) for heads in (6, 3))
+    expected = case.reference()
+
+    def normed_per_head(x, weight):
+        x = x.double()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight.double().view(x.shape[1], 1, -1)
+
+    cache = {name: t if name == "positions" else t.double() for name, t in case.cache.items()}
+    per_head = rope_reference(normed_per_head(case.q, case.norms[0]), normed_per_head(case.k, case.norms[1]),
+                              case.cos.double(), case.sin.double(), **cache)
+    results = case.run()
+    assert_matches(results, expected, dtype)
+    with pytest.raises(AssertionError):
+        assert_matches(results, per_head, dtype)
+
+
+def test_rejects_norm_weights_of_another_width():
+    case = Case(seed=78, batch=1, heads_q=4, heads_kv=2, seq=1, head_dim=16, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="norm weights"):
+        rope(case.q, case.k, case.cos, case.sin, torch.ones(64), torch.ones(16))
+
+
 NORM_KINDS = {"qwen3": {}, "gemma3": dict(offset=True), "gemma4": dict(weight_first=True)}  # rmsnorm's orders
 
 
