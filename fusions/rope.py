@@ -59,27 +59,12 @@ def _rounded_product(a, b, dtype: tl.constexpr, FP32: tl.constexpr):
 
 
 @triton.jit
-def _squares_across_heads(x_ptr, stride_h, stride_d, num_heads, channel1, channel2, mask, HEADS: tl.constexpr):
-    """The sum of squares of a token's whole row of heads (fp32), read a block of HEADS heads at a time."""
-    total = 0.0
-    for start in range(0, num_heads, HEADS):
-        heads = start + tl.arange(0, HEADS)
-        tile_mask = (heads < num_heads)[:, None] & mask[None, :]
-        row = x_ptr + heads[:, None] * stride_h
-        x1 = tl.load(row + channel1[None, :] * stride_d, mask=tile_mask, other=0.0).to(tl.float32)
-        x2 = tl.load(row + channel2[None, :] * stride_d, mask=tile_mask, other=0.0).to(tl.float32)
-        total += tl.sum(tl.sum(x1 * x1 + x2 * x2, axis=1), axis=0)
-    return total
-
-
-@triton.jit
 def _rotate_heads(x_ptr, stride_h, stride_d, heads, num_heads, head_mask, w_ptr, cos1, cos2, sin1, sin2, eps,
-                  channel1, channel2, mask, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, QK_NORM: tl.constexpr,
-                  ACROSS_HEADS: tl.constexpr, OFFSET: tl.constexpr, WEIGHT_FIRST: tl.constexpr,
-                  CLOCKWISE: tl.constexpr, FP32: tl.constexpr):
-    """Norm (optionally: each head, or the whole row of heads when ACROSS_HEADS, its weight as wide) and rotate a
-    block of head vectors in place, pair p being channels channel1[p] and channel2[p]; return the rotated channels
-    of each pair [heads, pairs] (fp32, model-dtype values)."""
+                  channel1, channel2, mask, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, ACROSS_HEADS: tl.constexpr,
+                  OFFSET: tl.constexpr, WEIGHT_FIRST: tl.constexpr, CLOCKWISE: tl.constexpr, FP32: tl.constexpr):
+    """Norm (optionally: each head, or the whole row of heads when ACROSS_HEADS, its weight as wide, the block then
+    being all of them) and rotate a block of head vectors in place, pair p being channels channel1[p] and
+    channel2[p]; return the rotated channels of each pair [heads, pairs] (fp32, model-dtype values)."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     tile_mask = head_mask[:, None] & mask[None, :]
     first = x_ptr + heads[:, None] * stride_h + channel1[None, :] * stride_d
@@ -88,7 +73,7 @@ def _rotate_heads(x_ptr, stride_h, stride_d, heads, num_heads, head_mask, w_ptr,
     x2 = tl.load(second, mask=tile_mask, other=0.0).to(tl.float32)
     if QK_NORM:
         if ACROSS_HEADS:
-            squares = _squares_across_heads(x_ptr, stride_h, stride_d, num_heads, channel1, channel2, mask, HEADS)
+            squares = tl.sum(tl.sum(x1 * x1 + x2 * x2, axis=1), axis=0)
             rstd = tl.rsqrt(squares / (num_heads * HEAD_DIM) + eps)
             w_row = w_ptr + heads[:, None] * HEAD_DIM
             w1 = tl.load(w_row + channel1[None, :], mask=tile_mask, other=0.0).to(tl.float32)
@@ -127,7 +112,8 @@ def _rope_kernel(
     stride_kcb, stride_kch, stride_kcl, stride_kcd,
     stride_vcb, stride_vch, stride_vcl, stride_vcd,
     HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, HEADS: tl.constexpr, QK_NORM: tl.constexpr,
-    ACROSS_HEADS: tl.constexpr, OFFSET: tl.constexpr, WEIGHT_FIRST: tl.constexpr, WRITE_CACHE: tl.constexpr, INTERLEAVED: tl.constexpr, PAIR_ANGLES: tl.constexpr,
+    ACROSS_HEADS: tl.constexpr, OFFSET: tl.constexpr, WEIGHT_FIRST: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, PAIR_ANGLES: tl.constexpr,
     CLOCKWISE: tl.constexpr, FP32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (token, block of HEADS heads): the first cdiv(num_q_heads, HEADS) blocks are q's, the rest
@@ -160,13 +146,13 @@ def _rope_kernel(
         heads = block * HEADS + tl.arange(0, HEADS)
         _rotate_heads(q_ptr + b * stride_qb + s * stride_qs, stride_qh, stride_qd, heads, num_q_heads,
                       heads < num_q_heads, q_norm_ptr, cos1, cos2, sin1, sin2, eps, channel1, channel2, mask,
-                      HEAD_DIM, HEADS, QK_NORM, ACROSS_HEADS, OFFSET, WEIGHT_FIRST, CLOCKWISE, FP32)
+                      HEAD_DIM, QK_NORM, ACROSS_HEADS, OFFSET, WEIGHT_FIRST, CLOCKWISE, FP32)
     else:
         heads = (block - q_blocks) * HEADS + tl.arange(0, HEADS)
         head_mask = heads < num_kv_heads
         k1, k2 = _rotate_heads(k_ptr + b * stride_kb + s * stride_ks, stride_kh, stride_kd, heads, num_kv_heads,
                                head_mask, k_norm_ptr, cos1, cos2, sin1, sin2, eps, channel1, channel2, mask,
-                               HEAD_DIM, HEADS, QK_NORM, ACROSS_HEADS, OFFSET, WEIGHT_FIRST, CLOCKWISE, FP32)
+                               HEAD_DIM, QK_NORM, ACROSS_HEADS, OFFSET, WEIGHT_FIRST, CLOCKWISE, FP32)
         if WRITE_CACHE:
             pos = tl.load(positions_ptr + b * stride_pb) + s
             # Memory safety only: a position past the cache is dropped (checking it would need a host sync).
@@ -184,11 +170,14 @@ def _rope_kernel(
             tl.store(vc + channel2[None, :] * stride_vcd, v2.to(v_cache_ptr.dtype.element_ty), mask=cache_mask)
 
 
-def heads_per_program(num_q_heads: int, num_kv_heads: int, half_block: int) -> int:
+def heads_per_program(num_q_heads: int, num_kv_heads: int, half_block: int, across_heads: bool = False) -> int:
     """Heads a program rotates: up to 512 elements of each half (8 heads of 128 or 96), so that a batch of 64 tokens is
     a few hundred programs rather than one per head (4,096 one-warp programs for Phi-3's 64 heads took several times
-    their bytes' worth: BENCHMARKS.md, session 21), but no more heads than q or k has."""
-    return min(triton.next_power_of_2(max(num_q_heads, num_kv_heads)), max(1, 512 // half_block))
+    their bytes' worth: BENCHMARKS.md, session 21), but no more heads than q or k has. A norm across heads takes all
+    of them in one program: the row's statistics need every head, which programs writing their heads in place
+    would change under each other (OLMo-2-1B's q at 8 heads a program read its other half already rotated)."""
+    every_head = triton.next_power_of_2(max(num_q_heads, num_kv_heads))
+    return every_head if across_heads else min(every_head, max(1, 512 // half_block))
 
 
 def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cache, positions, offset,
@@ -205,14 +194,14 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
     cos = cos.expand(batch, seq_len, cos.shape[-1])  # HF may hand one row of cos/sin for the whole batch
     sin = sin.expand(batch, seq_len, sin.shape[-1])
     half_block = triton.next_power_of_2(head_dim // 2)
-    heads = heads_per_program(num_q_heads, num_kv_heads, half_block)
+    heads = heads_per_program(num_q_heads, num_kv_heads, half_block, across_heads)
     grid = (batch * seq_len, triton.cdiv(num_q_heads, heads) + triton.cdiv(num_kv_heads, heads))
     torch.library.wrap_triton(_rope_kernel)[grid](
         q, k, v, cos, sin, q_norm_weight, k_norm_weight, k_cache, v_cache, positions,
         seq_len, num_q_heads, num_kv_heads, k_cache.shape[2], eps, positions.stride(0) if write_cache else 0,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=head_dim, HALF_BLOCK=half_block, HEADS=heads, QK_NORM=qk_norm, ACROSS_HEADS=across_heads,
-        OFFSET=offset, WEIGHT_FIRST=weight_first, WRITE_CACHE=write_cache, num_warps=max(1, min(4, heads * half_block // 128)),
+        OFFSET=offset, WEIGHT_FIRST=weight_first, WRITE_CACHE=write_cache, num_warps=max(1, min(8, heads * half_block // 128)),
         INTERLEAVED=interleaved, PAIR_ANGLES=pair_angles, CLOCKWISE=clockwise, FP32=fp32, **launch_options(q),
     )
 

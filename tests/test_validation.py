@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 import optiq.gate.end_to_end as gate_end_to_end
 from optiq.catalog.recipes import load_catalog
@@ -157,17 +158,30 @@ def test_graph_mode_gate_keeps_qkv_proj_inside_the_attentions_own_forward(spec):
     assert report.recipes["qkv_proj"].calls > 0
 
 
+def with_olmo2_qk_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """Qwen3's per-head q/k norms swapped for OLMo 2's norm class of the same width and weights, as Ergo's and
+    AFMoE's are (types transformers 5.17 does not have)."""
+    for module in model.modules():
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(module, name, None)
+            if isinstance(norm, torch.nn.Module):
+                olmo = Olmo2RMSNorm(norm.weight.shape[0], eps=norm.variance_epsilon).to(norm.weight)
+                olmo.weight.data.copy_(norm.weight)
+                setattr(module, name, olmo)
+    return model
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="graph mode needs CUDA")
 @pytest.mark.parametrize("spec, recipes", [
     ("tiny:olmo2", ("rmsnorm", "sandwich_norm", "attention_prologue")),  # post-norms; q/k normed over all heads
-    ("tiny:ergo", ("rmsnorm", "attention_prologue")),  # per-head q/k norms
+    ("tiny:qwen3", ("rmsnorm", "attention_prologue")),  # per-head q/k norms, OLMo 2's class
 ])
 def test_graph_mode_gate_keeps_norms_that_round_after_their_weight(spec, recipes):
-    """Norms that scale the fp32 normalised row by their weight and round once (OLMo 2's, Ergo's), a rounding
-    apart from Llama's order, which bf16 shows: each fused kernel that computes them (the row norm, the branch norm
-    with its residual add, the q/k norms before the rotation, per head or over all heads) is kept in bf16, every
-    site in use."""
-    model = load_model(spec, torch.bfloat16, torch.device("cuda"))
+    """Norms that scale the fp32 normalised row by their weight and round once (OLMo 2's), a rounding apart from
+    Llama's order, which bf16 shows: each fused kernel that computes them (the row norm, the branch norm with its
+    residual add, the q/k norms before the rotation, per head or over all heads) is kept in bf16, every site in
+    use."""
+    model = with_olmo2_qk_norms(load_model(spec, torch.bfloat16, torch.device("cuda")))
     catalog = load_catalog()
     patches = apply(model, [catalog[name] for name in recipes])
     report = validate(patches, GatePlan(concurrencies=(1, 16), steps=8, prompt_len=5, mode="graph"))
