@@ -201,8 +201,9 @@ def _launch(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, k_cache, v_cac
         seq_len, num_q_heads, num_kv_heads, k_cache.shape[2], eps, positions.stride(0) if write_cache else 0,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=head_dim, HALF_BLOCK=half_block, HEADS=heads, QK_NORM=qk_norm, ACROSS_HEADS=across_heads,
-        OFFSET=offset, WEIGHT_FIRST=weight_first, WRITE_CACHE=write_cache, num_warps=max(1, min(8, heads * half_block // 128)),
-        INTERLEAVED=interleaved, PAIR_ANGLES=pair_angles, CLOCKWISE=clockwise, FP32=fp32, **launch_options(q),
+        OFFSET=offset, WEIGHT_FIRST=weight_first, WRITE_CACHE=write_cache,
+        num_warps=max(1, min(8, heads * half_block // 128)), INTERLEAVED=interleaved, PAIR_ANGLES=pair_angles,
+        CLOCKWISE=clockwise, FP32=fp32, **launch_options(q),
     )
 
 
