@@ -23,17 +23,24 @@ LARGEST_HIDDEN = 65536  # a row must fit in one program's registers
 
 
 @triton.jit
+def scaled(normed, weight, OFFSET: tl.constexpr, WEIGHT_FIRST: tl.constexpr, dtype: tl.constexpr):
+    """The fp32 normalised values scaled by their fp32 weight in ``dtype``, rounded where the norm's kind rounds
+    (module docstring): every norm kernel's one rule, rope's q/k norms too."""
+    if OFFSET:
+        return (normed * (1.0 + weight)).to(dtype)
+    if WEIGHT_FIRST:
+        return (normed * weight).to(dtype)
+    return (normed.to(dtype).to(tl.float32) * weight).to(dtype)
+
+
+@triton.jit
 def _normalised(x, weight_ptr, cols, mask, hidden, eps, OFFSET: tl.constexpr, WEIGHT_FIRST: tl.constexpr,
                 dtype: tl.constexpr):
     """One row RMS-normalised in fp32 and scaled by its weight, rounded to ``dtype`` where HF rounds."""
     x = x.to(tl.float32)
     normed = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if OFFSET:
-        return (normed * (1.0 + weight)).to(dtype)
-    if WEIGHT_FIRST:
-        return (normed * weight).to(dtype)
-    return (normed.to(dtype).to(tl.float32) * weight).to(dtype)
+    return scaled(normed, weight, OFFSET, WEIGHT_FIRST, dtype)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from optiq.fusions.launch import launch_options, wait_for_predecessor
-from optiq.fusions.rmsnorm import rmsnorm_reference
+from optiq.fusions.rmsnorm import rmsnorm_reference, scaled
 
 
 @triton.jit
@@ -82,15 +82,8 @@ def _rotate_heads(x_ptr, stride_h, stride_d, heads, num_heads, head_mask, w_ptr,
             rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
             w1 = tl.load(w_ptr + channel1, mask=mask, other=0.0).to(tl.float32)[None, :]
             w2 = tl.load(w_ptr + channel2, mask=mask, other=0.0).to(tl.float32)[None, :]
-        if OFFSET:
-            x1 = _round((1.0 + w1) * (x1 * rstd), dtype)
-            x2 = _round((1.0 + w2) * (x2 * rstd), dtype)
-        elif WEIGHT_FIRST:
-            x1 = _round(w1 * (x1 * rstd), dtype)
-            x2 = _round(w2 * (x2 * rstd), dtype)
-        else:
-            x1 = _round(w1 * _round(x1 * rstd, dtype), dtype)
-            x2 = _round(w2 * _round(x2 * rstd, dtype), dtype)
+        x1 = scaled(x1 * rstd, w1, OFFSET, WEIGHT_FIRST, dtype).to(tl.float32)
+        x2 = scaled(x2 * rstd, w2, OFFSET, WEIGHT_FIRST, dtype).to(tl.float32)
     sense = 1.0 - 2.0 * CLOCKWISE  # -1 turns the other way; a sign leaves the product's rounding as it is
     out1 = _rounded_product(x1, cos1, dtype, FP32) - sense * _rounded_product(x2, sin1, dtype, FP32)
     out2 = _rounded_product(x2, cos2, dtype, FP32) + sense * _rounded_product(x1, sin2, dtype, FP32)
