@@ -29,8 +29,8 @@ from optiq.patching.replacements import rope as rope_replacements
 from optiq.patching.replacements.indexer import indexer_scores_forward
 from optiq.patching.structure import (MlaSite, NormSite, RotaryLayout, SwigluExpertsSite, fp32_topk_router,
                                       gated_mlp, grouped_linear, hyper_connection, indexer_scorer, mla_attention,
-                                      pre_norm_decoder_layer, qkv_projections, rms_norm, rotary_layout,
-                                      sandwich_norm_decoder_layer, swiglu_experts, topk_router)
+                                      pre_norm_decoder_layer, qkv_attention, qkv_projections, rms_norm,
+                                      rotary_layout, sandwich_norm_decoder_layer, swiglu_experts, topk_router)
 
 from wrong_kernels import user_recipe
 
@@ -178,6 +178,36 @@ def test_a_recipe_whose_kernel_never_runs_is_rolled_back_not_kept(spec, name):
         unpatch(model)
     assert report.rolled_back == [name]
     assert "its kernel ran at none of its" in report.recipes[name].reason, report.recipes[name].reason
+
+
+@pytest.mark.parametrize("spec, matched", [
+    ("tiny:llama", [True, True]),
+    ("tiny:cohere2", [True, False]),  # its global layers skip the rotation
+    ("tiny:exaone4", [True, False]),  # the same, written another way
+    ("tiny:afmoe", [False, False]),  # a sigmoid gate on the attention's output
+    ("tiny:bitnet", [False, False]),  # a norm between the attention and o_proj
+    ("tiny:doge", [False, False]),  # a mask of its own, made from the values
+    ("tiny:hunyuan_v1_dense", [False, False]),  # q and k normed after the rotation
+    ("tiny:ministral3", [False, False]),  # queries scaled by their position (wants position_ids)
+])
+def test_attention_prologue_sites_are_the_attentions_it_computes(spec, matched):
+    """qkv_attention runs each attention once and matches only a forward that computes what attention_prologue's
+    replacement does; a layer that rotates nothing, gates or normalises its output, builds its own mask or scales its
+    queries is not a site (the gate rolled attention_prologue back on such models, or at short contexts could not
+    tell)."""
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+    assert [qkv_attention(layer.self_attn) is not None for layer in model.model.layers] == matched
+
+
+def test_attention_prologue_hands_the_attention_function_what_the_forward_does():
+    """The window Phi-3 hands from its config and the sinks GPT-OSS hands from its parameter, alongside the scale,
+    reach the attention function through the replacement as through the model's own forward."""
+    phi3 = load_model("tiny:phi3", torch.float32, torch.device("cpu")).model.layers[0].self_attn
+    arguments = dict(qkv_attention(phi3).arguments)
+    assert arguments == {"scaling": phi3.scaling, "sliding_window": phi3.config.sliding_window}
+    gpt_oss = load_model("tiny:gpt_oss", torch.float32, torch.device("cpu")).model.layers[0].self_attn
+    arguments = dict(qkv_attention(gpt_oss).arguments)
+    assert arguments["s_aux"] is gpt_oss.sinks and arguments["scaling"] == gpt_oss.scaling
 
 
 @pytest.mark.parametrize("module, layout", [

@@ -12,9 +12,13 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from dataclasses import dataclass, replace
+import math
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import torch
+from transformers.modeling_utils import AttentionInterface
 
 EPS_ATTRIBUTES = ("variance_epsilon", "eps")  # HF's names for a norm's epsilon
 PROBE_ROWS = 4
@@ -205,6 +209,9 @@ class AttentionSite:
     head or over all of q's and all of k's heads (OLMo 2), or none."""
     qk_norm: NormSite | None
     fused_sizes: tuple[int, ...] = ()
+    # what the forward hands its attention function besides q, k, v and the mask: (keyword, value) pairs (the
+    # scale, a cap, sinks, a window), handed the same by the replacement
+    arguments: tuple = field(default=(), compare=False)
 
 
 def _fused_qkv_sizes(module: torch.nn.Module) -> tuple[int, ...] | None:
@@ -223,8 +230,9 @@ def qkv_attention(module: torch.nn.Module) -> AttentionSite | None:
     finds them (or one linear ``qkv_proj`` whose width the config's heads account for) and a linear ``o_proj``, an
     int ``head_dim``, a ``layer_idx`` (its cache layer), a forward taking ``position_embeddings`` (HF's cos and sin),
     and either no ``q_norm``/``k_norm`` or two RMSNorms, both over one head or q's over all its heads and k's over
-    all of its own. What the forward does beyond that is not looked at: the gate decides (a NoPE layer's missing
-    rotation, a multiplier, fail it)."""
+    all of its own; and a forward that computes what the replacement does with those parts (``_attention_arguments``):
+    a layer that skips its rotation (Cohere 2's and EXAONE 4's global layers), gates or normalises the attention's
+    output (AFMoE, BitNet), or builds its own mask (Doge) is not this site."""
     fused = computes_linear(getattr(module, "qkv_proj", None))
     if not computes_linear(getattr(module, "o_proj", None)) or not (
             fused or qkv_projections(module) == ProjectionsSite(PROJECTION_NAMES[0])):
@@ -237,15 +245,109 @@ def qkv_attention(module: torch.nn.Module) -> AttentionSite | None:
     if fused_sizes is None:
         return None
     q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
-    if q_norm is None and k_norm is None:
-        return AttentionSite(qk_norm=None, fused_sizes=fused_sizes)
-    sites = [rms_norm(n) if isinstance(n, torch.nn.Module) else None for n in (q_norm, k_norm)]
-    if None in sites or sites[0] != sites[1]:
+    norm = None
+    if q_norm is not None or k_norm is not None:
+        sites = [rms_norm(n) if isinstance(n, torch.nn.Module) else None for n in (q_norm, k_norm)]
+        if None in sites or sites[0] != sites[1]:
+            return None
+        all_heads = fused_sizes[:2] if fused else (module.q_proj.out_features, module.k_proj.out_features)
+        if (q_norm.weight.numel(), k_norm.weight.numel()) not in ((module.head_dim,) * 2, all_heads):
+            return None
+        norm = sites[0]
+    arguments = _attention_arguments(module, AttentionSite(qk_norm=norm, fused_sizes=fused_sizes))
+    return None if arguments is None else AttentionSite(norm, fused_sizes, arguments)
+
+
+PROBE_TOKENS = 3  # more than one: a single token's attention returns v, whatever q and k are
+
+
+def _expected_qkv(module: torch.nn.Module, site: AttentionSite, x: torch.Tensor, cos, sin, rotation):
+    """q, k, v [B, heads, T, head_dim] as attention_prologue's kernel computes them from ``x``: the projections,
+    the q/k norms (over a head, or over all heads), the modeling module's rotation."""
+    if site.fused_sizes:
+        q, k, v = module.qkv_proj(x).split(list(site.fused_sizes), dim=-1)
+    else:
+        q, k, v = module.q_proj(x), module.k_proj(x), module.v_proj(x)
+    heads = (*x.shape[:-1], -1, module.head_dim)
+    if site.qk_norm is not None:
+        per_head = module.q_norm.weight.numel() == module.head_dim
+        q, k = (norm(t.view(heads) if per_head else t) for norm, t in ((module.q_norm, q), (module.k_norm, k)))
+    q, k, v = (t.reshape(heads).transpose(1, 2) for t in (q, k, v))
+    return (*rotation(q, k, cos, sin), v)
+
+
+@contextmanager
+def _attention_function_replaced(module: torch.nn.Module, function):
+    """The module's attention function, where its forward looks it up at call time (the modeling module's eager
+    forward, or the registered implementation its config names), replaced by ``function`` for the block."""
+    implementation = module.config._attn_implementation
+    owner, name = ((sys.modules[type(module).__module__], "eager_attention_forward") if implementation == "eager"
+                   else (None, implementation))
+    before = getattr(owner, name, None) if owner else AttentionInterface._global_mapping[name]
+    if owner:
+        setattr(owner, name, function)
+    else:
+        AttentionInterface._global_mapping[name] = function
+    try:
+        yield
+    finally:
+        if owner:
+            setattr(owner, name, before)
+        else:
+            AttentionInterface._global_mapping[name] = before
+
+
+def _attention_arguments(module: torch.nn.Module, site: AttentionSite) -> tuple | None:
+    """What the module's forward hands its attention function besides q, k, v and the mask ((keyword, value) pairs:
+    the scale, Gemma 2's cap, GPT-OSS's sinks, a window; None values and dropout left out), where the forward is
+    the llama-family one attention_prologue replaces it with; else None. Found by running it once on PROBE_TOKENS
+    random tokens of its own dtype, with a causal mask and cos and sin of random angles as wide as a head (or half
+    of one, GPT-OSS's angle per pair), no cache: its attention function must be called once, with q, k and v as
+    ``_expected_qkv`` computes them (to the dtype's precision) and the mask it was handed, and what that function
+    returns (random numbers here) must go through ``o_proj`` untouched, whose output is the module's. Anything else
+    the forward does (a rotation it skips, a gate or a norm on the output, a mask of its own) is not what the
+    replacement computes."""
+    rotation = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
+    if not callable(rotation) or getattr(getattr(module, "config", None), "_attn_implementation", None) not in (
+            "eager", *AttentionInterface._global_mapping):
         return None
-    all_heads = fused_sizes[:2] if fused else (module.q_proj.out_features, module.k_proj.out_features)
-    if (q_norm.weight.numel(), k_norm.weight.numel()) not in ((module.head_dim,) * 2, all_heads):
-        return None
-    return AttentionSite(qk_norm=sites[0], fused_sizes=fused_sizes)
+    weight = (module.qkv_proj if site.fused_sizes else module.q_proj).weight
+    dtype, device = weight.dtype, weight.device
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(1, PROBE_TOKENS, weight.shape[1], generator=generator).to(device, dtype)
+    mask = torch.full((PROBE_TOKENS, PROBE_TOKENS), torch.finfo(dtype).min).triu(1)[None, None].to(device, dtype)
+    for width in (module.head_dim, module.head_dim // 2):
+        angles = torch.rand(1, PROBE_TOKENS, width // 2, generator=generator) * 2 * math.pi
+        cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(device, dtype) for f in (torch.cos, torch.sin))
+        calls, projected = [], []
+
+        def attention(attention_module, query, key, value, attention_mask, **kwargs):
+            out = torch.randn(query.shape[0], query.shape[2], query.shape[1], value.shape[-1], generator=generator)
+            calls.append((query, key, value, attention_mask, kwargs, out.to(device, dtype)))
+            return calls[-1][-1], None
+
+        hooks = [module.o_proj.register_forward_pre_hook(lambda _, inputs: projected.append(inputs[0])),
+                 module.o_proj.register_forward_hook(lambda _, inputs, output: projected.append(output))]
+        try:
+            with torch.no_grad(), _attention_function_replaced(module, attention):
+                got = type(module).forward(module, x, position_embeddings=(cos, sin), attention_mask=mask)
+                expected = _expected_qkv(module, site, x, cos, sin, rotation)
+        except Exception:  # noqa: BLE001 - cos and sin of another width, or a forward that wants more than this
+            continue
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if len(calls) != 1 or len(projected) != 2 or not isinstance(got, tuple) or got[0] is not projected[1]:
+            return None
+        query, key, value, attention_mask, kwargs, out = calls[0]
+        tolerance = 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+        if not (all(t.shape == e.shape and ((t - e).float().norm() <= tolerance * e.float().norm()).item()
+                    for t, e in zip((query, key, value), expected))
+                and attention_mask is mask and torch.equal(projected[0], out.reshape(*x.shape[:-1], -1))
+                and type(kwargs.get("scaling")) is float):
+            return None
+        return tuple((name, value) for name, value in kwargs.items() if value is not None and name != "dropout")
+    return None
 
 
 def pre_norm_decoder_layer(module: torch.nn.Module) -> NormSite | None:

@@ -27,33 +27,23 @@ def _concatenated(projections) -> tuple[torch.Tensor, torch.Tensor | None, list[
     return weight, bias, [p.out_features for p in projections]
 
 
-def _fused_qkv_weights(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-    """(weight, bias, split sizes) of the Q, K and V projections as one: a fused qkv_proj's own, or the three
-    concatenated."""
-    site = qkv_attention(attn)
-    if site is None:
-        raise ValueError(f"{type(attn).__name__} is not a llama-family attention (structure qkv_attention)")
+def _fused_qkv_weights(attn: torch.nn.Module, site) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """(weight, bias, split sizes) of the Q, K and V projections of the attention ``site`` as one: a fused
+    qkv_proj's own, or the three concatenated."""
     if site.fused_sizes:
         bias = attn.qkv_proj.bias
         return attn.qkv_proj.weight.detach(), None if bias is None else bias.detach(), list(site.fused_sizes)
     return _concatenated([attn.q_proj, attn.k_proj, attn.v_proj])
 
 
-MODULE_ATTENTION_ARGUMENTS = (("sliding_window", "sliding_window"), ("softcap", "attn_logit_softcapping"),
-                              ("s_aux", "sinks"))
-
-
-def _attend(attn: torch.nn.Module, q, k, v, attention_mask, input_shape, kwargs: dict):
+def _attend(attn: torch.nn.Module, q, k, v, attention_mask, input_shape, arguments: dict, kwargs: dict):
     """HF's attention function for the module's implementation (looked up at call time, so an attention interface
-    patched underneath applies), then o_proj."""
+    patched underneath applies), handed ``arguments`` (what the module's own forward hands it: the scale, a cap,
+    sinks, a window), then o_proj."""
     implementation = attn.config._attn_implementation
     attention = (sys.modules[type(attn).__module__].eager_attention_forward if implementation == "eager"
                  else AttentionInterface._global_mapping[implementation])
-    # what llama-family forwards hand their attention function from the module's attributes (Gemma 2's cap, GPT-OSS's
-    # sinks, a sliding window for flash attention's sake)
-    extra = {kwarg: getattr(attn, attribute) for kwarg, attribute in MODULE_ATTENTION_ARGUMENTS
-             if hasattr(attn, attribute)}
-    out, weights = attention(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **extra, **kwargs)
+    out, weights = attention(attn, q, k, v, attention_mask, dropout=0.0, **arguments, **kwargs)
     return attn.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
@@ -139,8 +129,11 @@ def attention_prologue_forward(attn: torch.nn.Module, fusion):
     rotation is the modeling module's ``apply_rotary_pos_emb``, in the layout it turns whole heads in
     (``structure.rotary_layout``). Other caches, a cache not yet allocated, and a rotation of part of a head or of
     a layout rope does not know take the module's own forward."""
-    weight, bias, sizes = _fused_qkv_weights(attn)
     site = qkv_attention(attn)
+    if site is None:
+        raise ValueError(f"{type(attn).__name__} is not a llama-family attention (structure qkv_attention)")
+    weight, bias, sizes = _fused_qkv_weights(attn, site)
+    arguments = dict(site.arguments)
     q_norm, k_norm, norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), site.qk_norm
     rounding = norm.rounding() if norm else {}
     own_forward = type(attn).forward.__get__(attn)
@@ -166,7 +159,7 @@ def attention_prologue_forward(attn: torch.nn.Module, fusion):
         _WRITTEN.setdefault(cache, []).append(layer.cumulative_length)
         if layer is layers[-1]:
             _advance(cache, length)
-        return _attend(attn, q, layer.keys, layer.values, attention_mask, hidden_states.shape[:-1], kwargs)
+        return _attend(attn, q, layer.keys, layer.values, attention_mask, hidden_states.shape[:-1], arguments, kwargs)
 
     return forward
 
