@@ -148,6 +148,8 @@ def test_a_recipe_whose_sites_never_run_in_decode_is_rolled_back_not_passed():
     ("tiny:gpt_oss", ["attention_prologue"]),  # cos half a head wide, one angle a pair
     ("tiny:ernie4_5", ["attention_prologue"]),  # interleaved pairs, one angle a pair, in fp32
     ("tiny:ergo", ["attention_prologue"]),  # NoPE layers (no cos and sin) among rotating ones: their own forward
+    ("tiny:cohere2", ["attention_prologue"]),  # global layers that skip the rotation are not sites: the last
+    # static layer's own update advances the counters the kernel's layers left
 ])
 def test_variants_the_kernels_handle_pass_the_gate(spec, names):
     model = load_model(spec, torch.float32, torch.device("cpu"))
@@ -245,6 +247,7 @@ def test_a_wrong_layout_is_rolled_back_by_the_gate(monkeypatch):
     ("tiny:gemma3_text", ["sliding window forgotten"]),  # sdpa; sliding layers interleaved with full ones
     ("tiny:gemma2", ["sliding window forgotten", "softcap forgotten"]),  # eager: softcap is beyond sdpa
     ("tiny:gpt_oss", ["sliding window forgotten", "sinks forgotten"]),  # eager: per-head sinks
+    ("tiny:llama4_text", ["sliding window forgotten"]),  # chunked attention: a query sees its own chunk of 32
 ])
 def test_decode_attention_computes_the_zoo_variants_and_forgetting_one_is_caught(spec, variants):
     """The prompt outgrows the tiny configs' 32-position window, so forgetting the window changes the function; the

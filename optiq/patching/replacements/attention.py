@@ -115,6 +115,25 @@ def _advance(cache, length: int) -> None:
         torch._foreach_add_(counters, length)
 
 
+def _advance_after_update(last, cache) -> None:
+    """Have the last static layer's own ``update`` advance the counters left pending, where its module does not run
+    the kernel (a layer whose forward is not attention_prologue's site: Cohere 2's global layers, which skip the
+    rotation), so that they are advanced before the next step's mask reads them, as the kernel's last layer does.
+    Once per cache; with nothing pending it adds nothing."""
+    if getattr(last.update, "advances_pending", False):
+        return
+    update, cache_ref = last.update, weakref.ref(cache)
+
+    def update_and_advance(key_states, value_states, *args, **kwargs):
+        out = update(key_states, value_states, *args, **kwargs)
+        if cache_ref() is not None:
+            _advance(cache_ref(), key_states.shape[-2])
+        return out
+
+    update_and_advance.advances_pending = True
+    last.update = update_and_advance
+
+
 def _static_layers(cache) -> list:
     """The cache's layers that attention_prologue_forward writes: transformers' static ones, once allocated."""
     return [layer for layer in cache.layers if type(layer).__name__ == "StaticLayer" and layer.is_initialized]
@@ -124,8 +143,9 @@ def attention_prologue_forward(attn: torch.nn.Module, fusion):
     """HF's llama-family attention forward whose prologue (Q/K/V GEMM, Qwen3's q/k norms, RoPE, the cache write) is
     two launches, when the layer's cache is transformers' static one: the kernel writes k and v at the layer's fill
     counter. The counters of the layers it wrote advance as StaticLayer.update advances them, but all in one launch,
-    when the last static layer is done (one add per layer was a kernel and a launch gap each, 28-32 per decode step);
-    a layer its own forward serves (a NoPE layer among rotating ones) advances its own. The
+    when the last static layer is done (one add per layer was a kernel and a launch gap each, 28-32 per decode step),
+    through the kernel or through its own update where that layer is not a site; a layer its own forward serves (a
+    NoPE layer among rotating ones) advances its own. The
     rotation is the modeling module's ``apply_rotary_pos_emb``, in the layout it turns whole heads in
     (``structure.rotary_layout``). Other caches, a cache not yet allocated, and a rotation of part of a head or of
     a layout rope does not know take the module's own forward."""
@@ -159,6 +179,8 @@ def attention_prologue_forward(attn: torch.nn.Module, fusion):
         _WRITTEN.setdefault(cache, []).append(layer.cumulative_length)
         if layer is layers[-1]:
             _advance(cache, length)
+        else:
+            _advance_after_update(layers[-1], cache)
         return _attend(attn, q, layer.keys, layer.values, attention_mask, hidden_states.shape[:-1], arguments, kwargs)
 
     return forward
@@ -184,22 +206,35 @@ def _decode_spans(kwargs: dict) -> torch.Tensor | None:
     """What each sequence's one new token attends, from a mask call's arguments, in a form the attention function
     tells from any mask: int64 [batch], the filled lengths, for a causal mask; int64 [2, batch], the first and
     one-past-last position, for a sliding window's (``local_size``: key k is in where k > q - window, so the span
-    starts at filled - window); for one token under any other mask (padding, a custom overlay such as Gemma 3's
+    starts at filled - window) or a chunk's (``local_size`` too: the span starts at the query's chunk, ``_chunked``
+    tells which); for one token under any other mask (padding, a custom overlay such as Gemma 3's
     image tokens, DeepSeek-V4's gathered window and compressed entries), bool [batch, keys], which keys it sees,
     as sdpa's mask says it. None for a prompt."""
     if _query_length(kwargs) != 1:
         return None
     kv_offset = kwargs.get("kv_offset", 0)
+    window = kwargs.get("local_size")
+    chunked = None if window is None else _chunked(kwargs.get("config"), window)
     if kwargs.get("attention_mask") is not None or kwargs.get("use_vmap") or not isinstance(kv_offset, int) \
-            or kv_offset != 0:
+            or kv_offset != 0 or (window is not None and chunked is None):
         options = {name: value for name, value in kwargs.items() if not name.startswith("allow_is_")}
         allowed = sdpa_mask(**options, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
         return allowed[:, 0, 0].contiguous()
     filled = _filled_length(kwargs).reshape(1).to(torch.int64)
-    window = kwargs.get("local_size")
     if window is None:
         return filled.repeat(kwargs["batch_size"])
-    return torch.stack([(filled - window).clamp_min(0), filled]).repeat(1, kwargs["batch_size"])
+    start = (filled - 1) // window * window if chunked else (filled - window).clamp_min(0)
+    return torch.stack([start, filled]).repeat(1, kwargs["batch_size"])
+
+
+def _chunked(config, size: int) -> bool | None:
+    """Whether a mask of ``local_size`` ``size`` is chunked attention's (a query sees the keys of its own chunk of
+    ``size`` positions: Llama 4, whose masks transformers hands ``local_size`` too) rather than a sliding window's
+    (the last ``size`` keys), from which of the two the model's config sets to that size; None where it sets neither
+    or both. From the config, not by asking the mask function: that reads a device tensor (the left padding), a
+    sync a CUDA graph's capture does not allow."""
+    kinds = {getattr(config, "sliding_window", None) == size, getattr(config, "attention_chunk_size", None) == size}
+    return None if len(kinds) == 1 else getattr(config, "attention_chunk_size", None) == size
 
 
 # What transformers' attention functions may be asked for that the decode kernel does not compute (Inkling's sinks
