@@ -27,7 +27,8 @@ def _concatenated(projections) -> tuple[torch.Tensor, torch.Tensor | None, list[
     return weight, bias, [p.out_features for p in projections]
 
 
-def _fused_qkv_weights(attn: torch.nn.Module, site: AttentionSite) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+def _fused_qkv_weights(attn: torch.nn.Module,
+                       site: AttentionSite) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
     """(weight, bias, split sizes) of the Q, K and V projections of the attention ``site`` as one: a fused
     qkv_proj's own, or the three concatenated."""
     if site.fused_sizes:
