@@ -295,6 +295,7 @@ def test_an_implementation_without_the_cap_runs_uncapped_and_so_does_the_kernel(
     ("tiny:deepseek_v32", ["add_rmsnorm"], None),  # its cache layers hold the indexer's keys beside the latent's
     ("tiny:gpt_oss", ["add_rmsnorm"], None),  # a MoE that returns its router scores beside the hidden states
     ("tiny:bailing_hybrid", ["add_rmsnorm"], None),  # linear-attention mixers that return the hidden states alone
+    ("tiny:minicpm3", ["add_rmsnorm"], None),  # each branch scaled by MiniCPM's scale_depth / sqrt(layers)
 ])
 def test_llama_family_sites_are_found_by_structure_and_kept(spec, names, multiplier):
     """The attention and decoder-layer recipes, once written for five classes, on models the catalog never named;
@@ -313,6 +314,24 @@ def test_llama_family_sites_are_found_by_structure_and_kept(spec, names, multipl
         unpatch(model)
     assert not report.rolled_back and report.passed, report.recipes
     assert all(report.recipes[n].calls > 0 for n in names)
+
+
+@pytest.mark.parametrize("spec, pre_norm, sandwich", [
+    ("tiny:llama", [(1.0, 1.0)] * 2, [False] * 2),
+    ("tiny:minicpm3", [(1.4 / 2**0.5, 1.4 / 2**0.5)] * 2, [False] * 2),  # scale_depth 1.4 over sqrt(2 layers)
+    ("tiny:olmo2", [None] * 2, [True] * 2),
+    ("tiny:doge", [None] * 2, [False] * 2),  # residuals through learned gates
+    ("tiny:minimax", [None] * 2, [False] * 2),  # residuals weighted by alpha and beta
+    ("tiny:beam", [None] * 2, [False] * 2),  # Gemma's four norms, one branch added in another place
+])
+def test_decoder_layers_are_found_by_what_they_add_and_scale(spec, pre_norm, sandwich):
+    """A layer is add_rmsnorm's or sandwich_norm's site only where its forward, run on stand-in branches, adds and
+    normalises as the replacement does; the scale it puts on each branch is found, not read from an attribute."""
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+    found = [pre_norm_decoder_layer(layer) for layer in model.model.layers]
+    assert [None if site is None else pytest.approx((site.attention_scale, site.mlp_scale), rel=1e-6)
+            for site in found] == pre_norm
+    assert [sandwich_norm_decoder_layer(layer) is not None for layer in model.model.layers] == sandwich
 
 
 @pytest.mark.parametrize("spec", [

@@ -350,12 +350,86 @@ def _attention_arguments(module: torch.nn.Module, site: AttentionSite) -> tuple 
     return None
 
 
-def pre_norm_decoder_layer(module: torch.nn.Module) -> NormSite | None:
+@dataclass(frozen=True)
+class PreNormSite:
+    """A pre-norm decoder layer: its two norms' kind (``norm``) and what it scales each branch's output by before
+    the residual add (Granite's residual multiplier, MiniCPM's depth scale; 1.0 for Llama's)."""
+    norm: NormSite
+    attention_scale: float = 1.0
+    mlp_scale: float = 1.0
+
+
+class _Branch(torch.nn.Module):
+    """A decoder layer's attention or MLP in a probe: an elementwise function of its input (``function``, None for
+    zeros), returned beside None (an attention's weights, a MoE's router scores) or alone, as the layer unpacks it;
+    any other attribute the layer reads of the module it stands for is that module's."""
+
+    def __init__(self, stands_for: torch.nn.Module, function, as_tuple: bool):
+        super().__init__()
+        object.__setattr__(self, "stands_for", stands_for)
+        self.function, self.as_tuple = function, as_tuple
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "stands_for"), name)
+
+    def forward(self, hidden_states=None, *args, **kwargs):
+        out = torch.zeros_like(hidden_states) if self.function is None else self.function(hidden_states)
+        return (out, None) if self.as_tuple else out
+
+
+def _layer_on_branches(layer: torch.nn.Module, norms: tuple[str, ...], x: torch.Tensor, attention, mlp):
+    """The layer's class forward on ``x`` (float64) with its ``self_attn`` and ``mlp`` swapped for ``_Branch``es of
+    the functions ``attention`` and ``mlp``, and its ``norms`` for float64 copies of themselves, so that what the
+    layer adds, scales and normalises around its branches shows to float64's precision; None where it does not run
+    on such parts (another signature, another layer) or returns anything but one tensor of x's shape."""
+    saved = dict(layer._modules)
+    try:
+        for name in norms:
+            layer._modules[name] = copy.deepcopy(saved[name]).to(torch.float64)
+        for tuples in ((True, False), (True, True), (False, False), (False, True)):
+            layer._modules["self_attn"] = _Branch(saved["self_attn"], attention, tuples[0])
+            layer._modules["mlp"] = _Branch(saved["mlp"], mlp, tuples[1])
+            try:
+                with torch.no_grad():
+                    got = type(layer).forward(layer, x, attention_mask=None, position_embeddings=None)
+            except Exception:  # noqa: BLE001 - unpacked another way, or not a layer of this form
+                continue
+            return got if isinstance(got, torch.Tensor) and got.shape == x.shape else None
+        return None
+    finally:
+        layer._modules.clear()
+        layer._modules.update(saved)
+
+
+def _probe_branches(width: int, device) -> tuple:
+    """(x, attention, mlp) for ``_layer_on_branches``: four random float64 rows and two elementwise functions of
+    random coefficients, each nonlinear and unlike the other, so a branch's output that a layer scales, normalises or
+    adds elsewhere shows."""
+    generator = torch.Generator().manual_seed(3)
+    a, b, c, d = (torch.randn(width, dtype=torch.float64, generator=generator).to(device) for _ in range(4))
+    x = torch.randn(1, PROBE_ROWS, width, dtype=torch.float64, generator=generator).to(device)
+    return x, lambda z: torch.tanh(z * a + b), lambda z: torch.sin(z * c + d)
+
+
+def _scale(added: torch.Tensor, branch: torch.Tensor) -> float | None:
+    """The number ``added`` is ``branch`` times, to the precision the layer's fp32 norms leave (1e-6); 1.0 where it
+    is that to it; None where it is no multiple of it."""
+    scale = ((added * branch).sum() / (branch * branch).sum()).item()
+    if not ((added - scale * branch).norm() <= 1e-6 * (scale * branch).norm()).item() or scale == 0:
+        return None
+    return 1.0 if abs(scale - 1.0) < 1e-6 else scale
+
+
+def pre_norm_decoder_layer(module: torch.nn.Module) -> PreNormSite | None:
     """A pre-norm decoder layer (``input_layernorm`` before ``self_attn``, ``post_attention_layernorm`` before
     ``mlp``) with no other child that holds parameters, so the residual add before the MLP's norm is the layer's own:
     Gemma's sandwich norms (pre/post feed-forward norms) and OLMo 2's post-norms are other placements, and
-    DeepSeek-V4's hyper-connections (``attn_hc``, ``ffn_hc``) mix four residual streams around each branch.
-    Returns the MLP norm's site."""
+    DeepSeek-V4's hyper-connections (``attn_hc``, ``ffn_hc``) mix four residual streams around each branch. Its
+    forward, run on stand-in branches (``_layer_on_branches``), must compute ``h = x + s_a attn(n1(x))``,
+    ``h + s_m mlp(n2(h))``: the scales found from one branch at a time, then both checked together."""
     names = dict(module.named_children())
     parts = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
     if not set(parts) <= set(names):
@@ -364,7 +438,28 @@ def pre_norm_decoder_layer(module: torch.nn.Module) -> NormSite | None:
         return None
     if rms_norm(names["input_layernorm"]) is None:
         return None
-    return rms_norm(names["post_attention_layernorm"])
+    norm = rms_norm(names["post_attention_layernorm"])
+    weight = getattr(names["input_layernorm"], "weight", None)
+    if norm is None or weight is None:
+        return None
+    x, attention, mlp = _probe_branches(weight.shape[0], weight.device)
+    norms = parts[:2]
+    run = functools.partial(_layer_on_branches, module, norms, x)
+    alone = run(attention, None), run(None, mlp), run(attention, mlp)
+    if any(out is None for out in alone):
+        return None
+    first, second = (module._modules[name] for name in norms)
+    with torch.no_grad():
+        input_normed = copy.deepcopy(first).to(torch.float64)(x)
+        attention_scale = _scale(alone[0] - x, attention(input_normed))
+        mlp_scale = _scale(alone[1] - x, mlp(copy.deepcopy(second).to(torch.float64)(x)))
+        if attention_scale is None or mlp_scale is None:
+            return None
+        h = x + attention_scale * attention(input_normed)
+        want = h + mlp_scale * mlp(copy.deepcopy(second).to(torch.float64)(h))
+    if not ((alone[2] - want).norm() <= 1e-6 * want.norm()).item():
+        return None
+    return PreNormSite(norm, attention_scale, mlp_scale)
 
 
 @dataclass(frozen=True)
@@ -402,8 +497,28 @@ def sandwich_norm_decoder_layer(module: torch.nn.Module) -> SandwichSite | None:
         if None in sites or len({(site.offset, site.weight_first) for site in sites}) != 1 or len(
                 {getattr(norm, site.eps_attribute) for norm, site in zip(norms, sites)}) != 1:
             return None
-        return SandwichSite(*placement, norm=sites[0])
+        site = SandwichSite(*placement, norm=sites[0])
+        return site if _computes_sandwich(module, site) else None
     return None
+
+
+def _computes_sandwich(layer: torch.nn.Module, site: SandwichSite) -> bool:
+    """Whether the layer's forward, run on stand-in branches (``_layer_on_branches``), computes what
+    sandwich_norm's replacement does: ``h = x + post_attention(attn(input(x)))``, ``h + post_mlp(mlp(pre_mlp(h)))``,
+    an absent norm passing its input through."""
+    placement = (site.input, site.post_attention, site.pre_mlp, site.post_mlp)
+    present = [name for name in placement if name]
+    x, attention, mlp = _probe_branches(layer._modules[present[0]].weight.shape[0],
+                                        layer._modules[present[0]].weight.device)
+    got = _layer_on_branches(layer, tuple(present), x, attention, mlp)
+    if got is None:
+        return False
+    input_norm, post_attention, pre_mlp, post_mlp = (
+        copy.deepcopy(layer._modules[name]).to(torch.float64) if name else (lambda z: z) for name in placement)
+    with torch.no_grad():
+        h = x + post_attention(attention(input_norm(x)))
+        want = h + post_mlp(mlp(pre_mlp(h)))
+    return bool(((got - want).norm() <= 1e-6 * want.norm()).item())
 
 
 @dataclass(frozen=True)

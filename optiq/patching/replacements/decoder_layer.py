@@ -11,24 +11,24 @@ from optiq.patching.structure import pre_norm_decoder_layer, sandwich_norm_decod
 def add_rmsnorm_forward(layer: torch.nn.Module, fusion):
     """HF's llama-family decoder layer with ``residual + attn`` and ``post_attention_layernorm`` fused, and the residual
     add after the MLP handed to the MLP when its forward takes it (gate_up_swiglu, with decode_linear's down_proj);
-    Granite's ``residual_multiplier`` scales each branch first, as its layer does.
+    a branch the layer scales before its add (Granite's residual multiplier, MiniCPM's depth scale) is scaled first,
+    by the scale the site was found with.
 
     Keyword arguments pass through to the attention untouched, so ``cache=`` (5.24) and ``past_key_values=`` (5.17)
     both reach it."""
     site = pre_norm_decoder_layer(layer)
     if site is None:
         raise ValueError(f"{type(layer).__name__} is not a pre-norm decoder layer with RMSNorms")
-    norm = layer.post_attention_layernorm
-    multiplier = getattr(layer, "residual_multiplier", 1.0)  # Granite scales both branches before their adds
+    norm, kind = layer.post_attention_layernorm, site.norm
 
     def forward(hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
         attn_out = branch_output(layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs))
-        if multiplier != 1.0:
-            attn_out = attn_out * multiplier
-        normed, residual = fusion(attn_out, hidden_states, norm.weight, getattr(norm, site.eps_attribute), site.offset,
-                                  **site.rounding())
-        if multiplier != 1.0:
-            return residual + branch_output(layer.mlp(normed)) * multiplier
+        if site.attention_scale != 1.0:
+            attn_out = attn_out * site.attention_scale
+        normed, residual = fusion(attn_out, hidden_states, norm.weight, getattr(norm, kind.eps_attribute), kind.offset,
+                                  **kind.rounding())
+        if site.mlp_scale != 1.0:
+            return residual + branch_output(layer.mlp(normed)) * site.mlp_scale
         return plus_residual(layer.mlp, normed, residual)
 
     return forward
