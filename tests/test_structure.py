@@ -334,6 +334,28 @@ def test_decoder_layers_are_found_by_what_they_add_and_scale(spec, pre_norm, san
     assert [sandwich_norm_decoder_layer(layer) is not None for layer in model.model.layers] == sandwich
 
 
+@pytest.mark.parametrize("spec, structure", [("tiny:llama", pre_norm_decoder_layer),
+                                             ("tiny:olmo2", sandwich_norm_decoder_layer)])
+def test_decoder_layers_are_found_under_norms_a_recipe_patched(spec, structure):
+    """The layer probes run in float64, which a fused norm's kernel does not take: they run the norms' own class
+    forward, so add_rmsnorm and sandwich_norm find their layers after rmsnorm has patched the norms."""
+    model = load_model(spec, torch.float32, torch.device("cpu"))
+
+    def kernel_of_one_dtype(norm):
+        own = norm.forward
+
+        def forward(x):
+            if x.dtype != torch.float32:
+                raise TypeError(f"no {x.dtype} kernel")
+            return own(x)
+        return forward
+
+    for module in model.modules():
+        if rms_norm(module) is not None:
+            module.forward = kernel_of_one_dtype(module)
+    assert all(structure(layer) is not None for layer in model.model.layers)
+
+
 @pytest.mark.parametrize("spec", [
     "tiny:qwen2",  # a bias on each projection
     "tiny:olmo2",  # q and k normed over all heads at once, before the split into heads

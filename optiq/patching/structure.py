@@ -380,6 +380,14 @@ class _Branch(torch.nn.Module):
         return (out, None) if self.as_tuple else out
 
 
+def _own_float64(module: torch.nn.Module) -> torch.nn.Module:
+    """A float64 copy of ``module`` that runs its class's forward, not one a recipe installed on the instance (a
+    fused norm's kernel takes no float64): what the model computes, whichever recipes were applied before."""
+    own = copy.deepcopy(module)
+    vars(own).pop("forward", None)
+    return own.to(torch.float64)
+
+
 def _layer_on_branches(layer: torch.nn.Module, norms: tuple[str, ...], x: torch.Tensor, attention, mlp):
     """The layer's class forward on ``x`` (float64) with its ``self_attn`` and ``mlp`` swapped for ``_Branch``es of
     the functions ``attention`` and ``mlp``, and its ``norms`` for float64 copies of themselves, so that what the
@@ -388,7 +396,7 @@ def _layer_on_branches(layer: torch.nn.Module, norms: tuple[str, ...], x: torch.
     saved = dict(layer._modules)
     try:
         for name in norms:
-            layer._modules[name] = copy.deepcopy(saved[name]).to(torch.float64)
+            layer._modules[name] = _own_float64(saved[name])
         for tuples in ((True, False), (True, True), (False, False), (False, True)):
             layer._modules["self_attn"] = _Branch(saved["self_attn"], attention, tuples[0])
             layer._modules["mlp"] = _Branch(saved["mlp"], mlp, tuples[1])
@@ -448,15 +456,14 @@ def pre_norm_decoder_layer(module: torch.nn.Module) -> PreNormSite | None:
     alone = run(attention, None), run(None, mlp), run(attention, mlp)
     if any(out is None for out in alone):
         return None
-    first, second = (module._modules[name] for name in norms)
+    first, second = (_own_float64(module._modules[name]) for name in norms)
     with torch.no_grad():
-        input_normed = copy.deepcopy(first).to(torch.float64)(x)
-        attention_scale = _scale(alone[0] - x, attention(input_normed))
-        mlp_scale = _scale(alone[1] - x, mlp(copy.deepcopy(second).to(torch.float64)(x)))
+        attention_scale = _scale(alone[0] - x, attention(first(x)))
+        mlp_scale = _scale(alone[1] - x, mlp(second(x)))
         if attention_scale is None or mlp_scale is None:
             return None
-        h = x + attention_scale * attention(input_normed)
-        want = h + mlp_scale * mlp(copy.deepcopy(second).to(torch.float64)(h))
+        h = x + attention_scale * attention(first(x))
+        want = h + mlp_scale * mlp(second(h))
     if not ((alone[2] - want).norm() <= 1e-6 * want.norm()).item():
         return None
     return PreNormSite(norm, attention_scale, mlp_scale)
@@ -514,7 +521,7 @@ def _computes_sandwich(layer: torch.nn.Module, site: SandwichSite) -> bool:
     if got is None:
         return False
     input_norm, post_attention, pre_mlp, post_mlp = (
-        copy.deepcopy(layer._modules[name]).to(torch.float64) if name else (lambda z: z) for name in placement)
+        _own_float64(layer._modules[name]) if name else (lambda z: z) for name in placement)
     with torch.no_grad():
         h = x + post_attention(attention(input_norm(x)))
         want = h + post_mlp(mlp(pre_mlp(h)))
