@@ -254,11 +254,17 @@ def qkv_attention(module: torch.nn.Module) -> AttentionSite | None:
         if (q_norm.weight.numel(), k_norm.weight.numel()) not in ((module.head_dim,) * 2, all_heads):
             return None
         norm = sites[0]
-    arguments = _attention_arguments(module, AttentionSite(qk_norm=norm, fused_sizes=fused_sizes))
-    return None if arguments is None else AttentionSite(norm, fused_sizes, arguments)
+    site = AttentionSite(qk_norm=norm, fused_sizes=fused_sizes)
+    arguments = _attention_arguments(module, site)
+    return None if arguments is None else replace(site, arguments=arguments)
 
 
 PROBE_TOKENS = 3  # more than one: a single token's attention returns v, whatever q and k are
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> bool:
+    """Whether ``got`` is ``want`` to ``tolerance``, relative to want's norm (a probe's agreement)."""
+    return got.shape == want.shape and bool(((got - want).norm() <= tolerance * want.norm()).item())
 
 
 def _expected_qkv(module: torch.nn.Module, site: AttentionSite, x: torch.Tensor, cos, sin, rotation):
@@ -281,20 +287,14 @@ def _attention_function_replaced(module: torch.nn.Module, function):
     """The module's attention function, where its forward looks it up at call time (the modeling module's eager
     forward, or the registered implementation its config names), replaced by ``function`` for the block."""
     implementation = module.config._attn_implementation
-    owner, name = ((sys.modules[type(module).__module__], "eager_attention_forward") if implementation == "eager"
-                   else (None, implementation))
-    before = getattr(owner, name, None) if owner else AttentionInterface._global_mapping[name]
-    if owner:
-        setattr(owner, name, function)
-    else:
-        AttentionInterface._global_mapping[name] = function
+    table, name = ((vars(sys.modules[type(module).__module__]), "eager_attention_forward") if implementation == "eager"
+                   else (AttentionInterface._global_mapping, implementation))
+    before = table.get(name)
+    table[name] = function
     try:
         yield
     finally:
-        if owner:
-            setattr(owner, name, before)
-        else:
-            AttentionInterface._global_mapping[name] = before
+        table[name] = before
 
 
 def _attention_arguments(module: torch.nn.Module, site: AttentionSite) -> tuple | None:
@@ -341,8 +341,7 @@ def _attention_arguments(module: torch.nn.Module, site: AttentionSite) -> tuple 
             return None
         query, key, value, attention_mask, kwargs, out = calls[0]
         tolerance = 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
-        if not (all(t.shape == e.shape and ((t - e).float().norm() <= tolerance * e.float().norm()).item()
-                    for t, e in zip((query, key, value), expected))
+        if not (all(_close(t.float(), e.float(), tolerance) for t, e in zip((query, key, value), expected))
                 and attention_mask is mask and torch.equal(projected[0], out.reshape(*x.shape[:-1], -1))
                 and type(kwargs.get("scaling")) is float):
             return None
@@ -412,10 +411,11 @@ def _layer_on_branches(layer: torch.nn.Module, norms: tuple[str, ...], x: torch.
         layer._modules.update(saved)
 
 
-def _probe_branches(width: int, device) -> tuple:
-    """(x, attention, mlp) for ``_layer_on_branches``: four random float64 rows and two elementwise functions of
-    random coefficients, each nonlinear and unlike the other, so a branch's output that a layer scales, normalises or
-    adds elsewhere shows."""
+def _probe_branches(norm: torch.nn.Module) -> tuple:
+    """(x, attention, mlp) for ``_layer_on_branches`` of a layer with ``norm`` (its width, its device): four random
+    float64 rows and two elementwise functions of random coefficients, each nonlinear and unlike the other, so a
+    branch's output that a layer scales, normalises or adds elsewhere shows."""
+    width, device = norm.weight.shape[0], norm.weight.device
     generator = torch.Generator().manual_seed(3)
     a, b, c, d = (torch.randn(width, dtype=torch.float64, generator=generator).to(device) for _ in range(4))
     x = torch.randn(1, PROBE_ROWS, width, dtype=torch.float64, generator=generator).to(device)
@@ -426,7 +426,7 @@ def _scale(added: torch.Tensor, branch: torch.Tensor) -> float | None:
     """The number ``added`` is ``branch`` times, to the precision the layer's fp32 norms leave (1e-6); 1.0 where it
     is that to it; None where it is no multiple of it."""
     scale = ((added * branch).sum() / (branch * branch).sum()).item()
-    if not ((added - scale * branch).norm() <= 1e-6 * (scale * branch).norm()).item() or scale == 0:
+    if scale == 0 or not _close(added, scale * branch, 1e-6):
         return None
     return 1.0 if abs(scale - 1.0) < 1e-6 else scale
 
@@ -447,10 +447,9 @@ def pre_norm_decoder_layer(module: torch.nn.Module) -> PreNormSite | None:
     if rms_norm(names["input_layernorm"]) is None:
         return None
     norm = rms_norm(names["post_attention_layernorm"])
-    weight = getattr(names["input_layernorm"], "weight", None)
-    if norm is None or weight is None:
+    if norm is None:
         return None
-    x, attention, mlp = _probe_branches(weight.shape[0], weight.device)
+    x, attention, mlp = _probe_branches(names["input_layernorm"])
     norms = parts[:2]
     run = functools.partial(_layer_on_branches, module, norms, x)
     alone = run(attention, None), run(None, mlp), run(attention, mlp)
@@ -458,15 +457,14 @@ def pre_norm_decoder_layer(module: torch.nn.Module) -> PreNormSite | None:
         return None
     first, second = (_own_float64(module._modules[name]) for name in norms)
     with torch.no_grad():
-        attention_scale = _scale(alone[0] - x, attention(first(x)))
+        attended = attention(first(x))
+        attention_scale = _scale(alone[0] - x, attended)
         mlp_scale = _scale(alone[1] - x, mlp(second(x)))
         if attention_scale is None or mlp_scale is None:
             return None
-        h = x + attention_scale * attention(first(x))
+        h = x + attention_scale * attended
         want = h + mlp_scale * mlp(second(h))
-    if not ((alone[2] - want).norm() <= 1e-6 * want.norm()).item():
-        return None
-    return PreNormSite(norm, attention_scale, mlp_scale)
+    return PreNormSite(norm, attention_scale, mlp_scale) if _close(alone[2], want, 1e-6) else None
 
 
 @dataclass(frozen=True)
@@ -515,8 +513,7 @@ def _computes_sandwich(layer: torch.nn.Module, site: SandwichSite) -> bool:
     an absent norm passing its input through."""
     placement = (site.input, site.post_attention, site.pre_mlp, site.post_mlp)
     present = [name for name in placement if name]
-    x, attention, mlp = _probe_branches(layer._modules[present[0]].weight.shape[0],
-                                        layer._modules[present[0]].weight.device)
+    x, attention, mlp = _probe_branches(layer._modules[present[0]])
     got = _layer_on_branches(layer, tuple(present), x, attention, mlp)
     if got is None:
         return False
@@ -525,7 +522,7 @@ def _computes_sandwich(layer: torch.nn.Module, site: SandwichSite) -> bool:
     with torch.no_grad():
         h = x + post_attention(attention(input_norm(x)))
         want = h + post_mlp(mlp(pre_mlp(h)))
-    return bool(((got - want).norm() <= 1e-6 * want.norm()).item())
+    return _close(got, want, 1e-6)
 
 
 @dataclass(frozen=True)

@@ -234,8 +234,8 @@ def _chunked(config, size: int) -> bool | None:
     (the last ``size`` keys), from which of the two the model's config sets to that size; None where it sets neither
     or both. From the config, not by asking the mask function: that reads a device tensor (the left padding), a
     sync a CUDA graph's capture does not allow."""
-    kinds = {getattr(config, "sliding_window", None) == size, getattr(config, "attention_chunk_size", None) == size}
-    return None if len(kinds) == 1 else getattr(config, "attention_chunk_size", None) == size
+    window, chunk = (getattr(config, name, None) == size for name in ("sliding_window", "attention_chunk_size"))
+    return None if window == chunk else chunk
 
 
 # What transformers' attention functions may be asked for that the decode kernel does not compute (Inkling's sinks
